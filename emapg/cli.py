@@ -1,0 +1,181 @@
+"""`emapg`: build corpora and indexes, serve and query the retriever, run the demo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
+console = Console()
+
+ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
+PACKAGED_CORPUS = ARTIFACTS / "corpus" / "wiki-summaries.jsonl"
+DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
+DEMO_QUESTIONS = [
+    "who wrote pride and prejudice",
+    "what is the capital of australia",
+    "who painted the mona lisa",
+    "when did the berlin wall fall",
+    "what is the largest planet in the solar system",
+]
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def corpus(out: Annotated[Path, typer.Option(help="JSONL file to write")] = PACKAGED_CORPUS) -> None:
+    """Write the packaged 10,033 Wikipedia summaries as a Search-R1 JSONL corpus."""
+    from data.corpus import packaged_wiki_passages, write_jsonl
+
+    try:
+        n = write_jsonl(packaged_wiki_passages(), out)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    console.print(f"wrote {n:,} passages to {out}")
+
+
+@app.command()
+def index(
+    out: Annotated[Path, typer.Option(help="index folder to create")] = DEFAULT_INDEX,
+    corpus_path: Annotated[
+        Path | None, typer.Option("--corpus", help="JSONL corpus; default: the packaged Wikipedia summaries")
+    ] = None,
+    kind: Annotated[str, typer.Option(help="dense (FAISS) or bm25")] = "dense",
+    encoder: Annotated[str, typer.Option(help="preset (minilm, e5-base-v2), hub id or local folder")] = "minilm",
+    factory: Annotated[str, typer.Option(help="FAISS index factory string: Flat, HNSW32, IVF4096,PQ64, ...")] = "Flat",
+    batch_size: Annotated[int, typer.Option(min=1)] = 128,
+    train_size: Annotated[int, typer.Option(min=1, help="vectors sampled to train IVF/PQ indexes")] = 100_000,
+    copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the index folder (off for wiki-18)")] = True,
+    device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
+) -> None:
+    """Build an index folder from a JSONL corpus."""
+    if kind not in ("dense", "bm25"):
+        _fail(f"--kind must be 'dense' or 'bm25', got {kind!r}")
+    if corpus_path is None:
+        corpus_path = PACKAGED_CORPUS
+        if not corpus_path.exists():
+            corpus(corpus_path)
+    try:
+        if kind == "bm25":
+            from retriever.bm25 import build_bm25_index
+
+            manifest = build_bm25_index(corpus_path, out, copy_corpus=copy_corpus, overwrite=overwrite)
+        else:
+            from retriever.dense import build_dense_index
+
+            manifest = build_dense_index(
+                corpus_path, out, encoder=encoder, factory=factory, batch_size=batch_size, train_size=train_size,
+                copy_corpus=copy_corpus, overwrite=overwrite, device=device,
+            )
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    console.print(f"built {manifest.kind} index of {manifest.corpus.num_docs:,} passages in {out}")
+
+
+@app.command()
+def serve(
+    index_dir: Annotated[Path, typer.Option("--index", help="index folder")] = DEFAULT_INDEX,
+    encoder: Annotated[str | None, typer.Option(help="must match the index's encoder; default: the index's")] = None,
+    host: Annotated[str, typer.Option(help="bind address; 0.0.0.0 exposes it (set EMAPG_RETRIEVER_TOKEN)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    topk: Annotated[int, typer.Option(min=1, help="topk when a request sends null")] = 3,
+    max_topk: Annotated[int, typer.Option(min=1)] = 100,
+    max_queries: Annotated[int, typer.Option(min=1, help="queries per request")] = 1024,
+    max_query_chars: Annotated[int, typer.Option(min=1)] = 2048,
+    batching: Annotated[bool, typer.Option(help="coalesce concurrent requests into one encode+search")] = True,
+    max_batch_queries: Annotated[int, typer.Option(min=1)] = 256,
+    max_wait_ms: Annotated[float, typer.Option(min=0.0, help="how long a batch waits for more requests")] = 2.0,
+    cache_size: Annotated[int, typer.Option(min=0, help="LRU entries of query results; 0 turns the cache off")] = 100_000,
+    search_threads: Annotated[int, typer.Option(min=1)] = 1,
+    device: Annotated[str, typer.Option(help="query encoder device: cpu, cuda")] = "cpu",
+    query_dtype: Annotated[str, typer.Option(help="query encoder dtype: float32 or bfloat16")] = "float32",
+    gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
+    search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
+) -> None:
+    """Serve Search-R1's POST /retrieve over an index folder."""
+    from pydantic import ValidationError
+
+    from retriever.manifest import EncoderMismatchError
+    from retriever.server import ServerSettings, serve as run_server
+
+    try:
+        settings = ServerSettings(
+            index=index_dir, encoder=encoder, host=host, port=port, default_topk=topk, max_topk=max_topk,
+            max_queries=max_queries, max_query_chars=max_query_chars, batching=batching,
+            max_batch_queries=max_batch_queries, max_wait_ms=max_wait_ms, cache_size=cache_size,
+            search_threads=search_threads, device=device, query_dtype=query_dtype, gpu_index=gpu,
+            search_params=search_params,
+        )
+        run_server(settings)
+    except ValidationError as e:
+        _fail(" ".join(f"--{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}" for err in e.errors()))
+    except (EncoderMismatchError, FileNotFoundError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+
+
+def print_hits(question: str, hits: list) -> None:
+    from data.corpus import split_contents
+
+    table = Table(title=question, title_justify="left", show_lines=False)
+    table.add_column("#", justify="right")
+    table.add_column("score", justify="right")
+    table.add_column("title")
+    table.add_column("text")
+    for i, hit in enumerate(hits, 1):
+        title, text = split_contents(hit.contents)
+        table.add_row(str(i), f"{hit.score:.3f}", title, text[:90] + ("..." if len(text) > 90 else ""))
+    console.print(table)
+
+
+@app.command()
+def search(
+    queries: Annotated[list[str], typer.Argument(help="one or more questions")],
+    url: Annotated[str, typer.Option(help="retriever URL")] = "http://127.0.0.1:8000",
+    topk: Annotated[int, typer.Option(min=1)] = 3,
+) -> None:
+    """Query a running retriever and print the hits."""
+    from retriever.client import RetrieverClient, RetrieverError
+
+    try:
+        with RetrieverClient(url, topk=topk, token=os.environ.get("EMAPG_RETRIEVER_TOKEN"), retries=2) as client:
+            results = client.search(queries)
+    except RetrieverError as e:
+        _fail(str(e))
+    for q, hits in zip(queries, results, strict=True):
+        print_hits(q, hits)
+
+
+@app.command()
+def demo(
+    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+    topk: Annotated[int, typer.Option(min=1)] = 3,
+) -> None:
+    """Build the packaged-Wikipedia index, start the server, ask real questions, print the hits, stop."""
+    from retriever.client import RetrieverClient
+    from retriever.process import running_server
+
+    if not (index_dir / "manifest.json").exists():
+        console.rule("building the index (once)")
+        index(out=index_dir)
+    console.rule("starting the retrieval server")
+    log = ARTIFACTS / "logs" / "demo-server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with running_server(index_dir, log=log) as url:
+        console.print(f"server at {url} (log: {log})")
+        with RetrieverClient(url, topk=topk) as client:
+            for question, hits in zip(DEMO_QUESTIONS, client.search(DEMO_QUESTIONS), strict=True):
+                print_hits(question, hits)
+    console.print("server stopped")
+
+
+if __name__ == "__main__":
+    app()

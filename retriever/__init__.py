@@ -1,0 +1,1 @@
+"""Search-R1-compatible retrieval: dense (FAISS) and sparse (BM25) indexes, a FastAPI server, an HTTP client."""

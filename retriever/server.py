@@ -1,0 +1,198 @@
+"""The retrieval HTTP service: Search-R1's `POST /retrieve`, plus `/health`, Prometheus `/metrics` and `/docs`.
+
+Request  {"queries": [str, ...], "topk": int | null, "return_scores": bool = false}
+Response {"result": [[{"document": {"id", "contents"}, "score": float}, ...], ...]}   (return_scores: true)
+         {"result": [[{"id", "contents"}, ...], ...]}                                   (return_scores: false)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from retriever.batcher import BatchingSearcher
+from retriever.index import SearchIndex, load_index
+from retriever.metrics import RetrieverMetrics
+
+TOKEN_ENV = "EMAPG_RETRIEVER_TOKEN"
+
+
+class ServerSettings(BaseModel):
+    """Every knob of the service; `emapg serve` fills it from the command line."""
+
+    index: Path
+    encoder: str | None = None  # must match the index's manifest; None = the manifest's own encoder
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the service has no auth by default
+    port: int = 8000
+    default_topk: int = 3  # Search-R1's default and the paper's recipe
+    max_topk: int = 100
+    max_queries: int = 1024
+    max_query_chars: int = 2048
+    batching: bool = True
+    max_batch_queries: int = 256
+    max_wait_ms: float = 2.0
+    cache_size: int = 100_000
+    search_threads: int = 1
+    device: str = "cpu"
+    query_dtype: Literal["float32", "bfloat16"] = "float32"
+    gpu_index: bool = False
+    search_params: str | None = None
+    token: str | None = Field(default=None, repr=False)
+
+
+class RetrieveRequest(BaseModel):
+    # Unknown fields are refused: a typo such as "top_k" would otherwise silently get the default topk.
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[StrictStr] = Field(min_length=1)
+    topk: StrictInt | None = None
+    return_scores: StrictBool = False
+
+
+def _error(field: list[str | int], message: str, status: int = 422) -> JSONResponse:
+    """The same body shape as FastAPI's own validation errors, plus a one-line `message`."""
+    name = ".".join(str(x) for x in field)
+    return JSONResponse(
+        status_code=status,
+        content={"message": f"{name}: {message}", "detail": [{"loc": ["body", *field], "msg": message}]},
+    )
+
+
+def _check_limits(req: RetrieveRequest, s: ServerSettings) -> JSONResponse | None:
+    if len(req.queries) > s.max_queries:
+        return _error(["queries"], f"{len(req.queries)} queries in one request; the limit is {s.max_queries}")
+    for i, q in enumerate(req.queries):
+        if not q.strip():
+            return _error(["queries", i], "query is empty")
+        if len(q) > s.max_query_chars:
+            return _error(["queries", i], f"query has {len(q)} characters; the limit is {s.max_query_chars}")
+    if req.topk is not None and not 1 <= req.topk <= s.max_topk:
+        return _error(["topk"], f"topk must be between 1 and {s.max_topk}, got {req.topk}")
+    return None
+
+
+def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
+    metrics = RetrieverMetrics()
+    searcher = BatchingSearcher(
+        index.search,
+        batching=settings.batching,
+        max_batch_queries=settings.max_batch_queries,
+        max_wait_ms=settings.max_wait_ms,
+        cache_size=settings.cache_size,
+        search_threads=settings.search_threads,
+        metrics=metrics,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await searcher.start()
+        yield
+        await searcher.stop()
+
+    app = FastAPI(
+        title="emapg retriever",
+        description="Search-R1-compatible retrieval over a FAISS or BM25 index, with cross-request batching.",
+        lifespan=lifespan,
+    )
+    app.state.searcher = searcher
+    bearer = HTTPBearer(auto_error=False)
+
+    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if settings.token is None:
+            return
+        if credentials is None or not secrets.compare_digest(credentials.credentials, settings.token):
+            raise _Unauthorized()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ["body"], "msg": "invalid request"}
+        name = ".".join(str(x) for x in first["loc"][1:]) or "body"
+        # pydantic's error dicts can hold the offending value as a non-JSON object (bytes, exceptions).
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e.get("type", "")} for e in errors]
+        if request.url.path == "/retrieve":
+            metrics.requests.labels(status="422").inc()
+        return JSONResponse(status_code=422, content={"message": f"{name}: {first['msg']}", "detail": detail})
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        metrics.requests.labels(status="401").inc()
+        return JSONResponse(
+            status_code=401,
+            content={"message": f"missing or wrong bearer token (the server's {TOKEN_ENV})"},
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    @app.post("/retrieve", dependencies=[Depends(require_token)])
+    async def retrieve(req: RetrieveRequest) -> Any:
+        start = time.perf_counter()
+        if (bad := _check_limits(req, settings)) is not None:
+            metrics.requests.labels(status="422").inc()
+            return bad
+        k = req.topk if req.topk is not None else settings.default_topk
+        results = await searcher.search(req.queries, k)
+        if req.return_scores:
+            body = [
+                [{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hits] for hits in results
+            ]
+        else:
+            body = [[{"id": h.id, "contents": h.contents} for h in hits] for hits in results]
+        metrics.requests.labels(status="200").inc()
+        metrics.request_seconds.observe(time.perf_counter() - start)
+        return {"result": body}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        m = index.manifest
+        return {
+            "status": "ok",
+            "index_loaded": True,
+            "kind": m.kind,
+            "num_docs": m.corpus.num_docs,
+            "index_factory": m.index_factory,
+            "encoder": m.encoder.name if m.encoder else None,
+            "batching": settings.batching,
+            "cache_entries": len(searcher.cache),
+        }
+
+    @app.get("/metrics", dependencies=[Depends(require_token)])
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def app_from_settings(settings: ServerSettings) -> FastAPI:
+    if settings.token is None and os.environ.get(TOKEN_ENV):
+        settings = settings.model_copy(update={"token": os.environ[TOKEN_ENV]})
+    index = load_index(
+        settings.index,
+        encoder=settings.encoder,
+        device=settings.device,
+        query_dtype=settings.query_dtype,
+        gpu=settings.gpu_index,
+        search_params=settings.search_params,
+    )
+    return create_app(index, settings)
+
+
+def serve(settings: ServerSettings) -> None:
+    import uvicorn
+
+    app = app_from_settings(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
