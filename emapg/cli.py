@@ -55,11 +55,14 @@ def index(
     train_size: Annotated[int, typer.Option(min=1, help="vectors sampled to train IVF/PQ indexes")] = 100_000,
     copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the index folder (off for wiki-18)")] = True,
     device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="passage encoder dtype: float32, or bfloat16 (~2x faster)")] = "float32",
     overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
     if kind not in ("dense", "bm25"):
         _fail(f"--kind must be 'dense' or 'bm25', got {kind!r}")
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if corpus_path is None:
         corpus_path = PACKAGED_CORPUS
         if not corpus_path.exists():
@@ -74,7 +77,7 @@ def index(
 
             manifest = build_dense_index(
                 corpus_path, out, encoder=encoder, factory=factory, batch_size=batch_size, train_size=train_size,
-                copy_corpus=copy_corpus, overwrite=overwrite, device=device,
+                copy_corpus=copy_corpus, overwrite=overwrite, device=device, dtype=dtype,
             )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         _fail(str(e))

@@ -77,10 +77,13 @@ def build_dense_index(
     copy_corpus: bool = True,
     overwrite: bool = False,
     device: str = "cpu",
+    dtype: Literal["float32", "bfloat16"] = "float32",
     seed: int = 0,
 ) -> Manifest:
+    """Encode every passage of `corpus` and write an index folder at `out`. bfloat16 encodes ~2x faster on CPUs
+    with AVX512-BF16/AMX (passage cosine to fp32 >= 0.998 with MiniLM; recall in docs/benchmarks.md)."""
     out = Path(out)
-    enc = Encoder(resolve_encoder(encoder), device=device)
+    enc = Encoder(resolve_encoder(encoder), device=device, dtype=dtype)
     index = new_faiss_index(enc.dim, factory)  # fail on a bad factory string before any encoding
     tmp = building_folder(out, overwrite)
     corpus_manifest, docstore = add_corpus(tmp, corpus, copy_corpus)

@@ -60,6 +60,7 @@ class Encoder:
         from sentence_transformers import SentenceTransformer
 
         self.spec = spec
+        self.dtype = dtype
         path = _load_path(spec.source)
         if not Path(path).exists() and "/" not in path:
             raise FileNotFoundError(f"encoder {spec.name!r}: {path!r} is neither a local folder nor a hub id")

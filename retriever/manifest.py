@@ -27,6 +27,7 @@ class EncoderManifest(BaseModel):
     query_prefix: str
     passage_prefix: str
     max_length: int
+    passage_dtype: str = "float32"
     probe_embedding: list[float]
 
 
@@ -84,6 +85,7 @@ def encoder_manifest(encoder: Encoder) -> EncoderManifest:
         query_prefix=spec.query_prefix,
         passage_prefix=spec.passage_prefix,
         max_length=spec.max_length,
+        passage_dtype=encoder.dtype,
         probe_embedding=encoder.probe_embedding(),
     )
 
