@@ -76,28 +76,17 @@ class Manifest(BaseModel):
 
 
 def encoder_manifest(encoder: Encoder) -> EncoderManifest:
-    spec = encoder.spec
     return EncoderManifest(
-        name=spec.name,
-        source=spec.source,
+        **encoder.spec.model_dump(),
         dim=encoder.dim,
         pooling=encoder.pooling,
-        query_prefix=spec.query_prefix,
-        passage_prefix=spec.passage_prefix,
-        max_length=spec.max_length,
         passage_dtype=encoder.dtype,
         probe_embedding=encoder.probe_embedding(),
     )
 
 
 def spec_from_manifest(m: EncoderManifest) -> EncoderSpec:
-    return EncoderSpec(
-        name=m.name,
-        source=m.source,
-        query_prefix=m.query_prefix,
-        passage_prefix=m.passage_prefix,
-        max_length=m.max_length,
-    )
+    return EncoderSpec(**m.model_dump(include=set(EncoderSpec.model_fields)))
 
 
 class EncoderMismatchError(ValueError):
