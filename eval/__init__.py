@@ -1,0 +1,1 @@
+"""Evaluation: answer metrics with FlashRAG/SQuAD semantics and the QA benchmark harness."""
