@@ -1,0 +1,108 @@
+"""End to end: a tiny random Llama (real SmolLM2 tokenizer) through the transformers backend, the real server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent.backend import SamplingParams
+from agent.hf_backend import TransformersBackend, sample_tokens
+from agent.rollout import RolloutConfig, SearchAgent
+from data.qa import QAExample
+from retriever.client import RetrieverClient, RetrieverError
+from retriever.process import free_port
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from agent.policy import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+EXAMPLES = [
+    QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t"),
+    QAExample("triviaqa/test/0", "triviaqa", "test", "which planet is largest?", ("Jupiter",), "t"),
+]
+
+
+def recomputed_logprobs(model, traj, temperature: float) -> torch.Tensor:
+    """The log-prob of every response token from one full forward pass (no cache, no padding)."""
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(traj.prompt_ids) - 1 : -1].float()
+    logp = F.log_softmax(logits / temperature if temperature else logits, dim=-1)
+    return logp.gather(-1, torch.tensor(traj.response_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tiny_model_rollout_against_the_real_server_is_token_exact(tiny_model, tokenizer, server_url, temperature):
+    backend = TransformersBackend(tiny_model, tokenizer, max_batch_size=3)  # 4 rows: two batches, left padding
+    with RetrieverClient(server_url) as client:
+        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=2, max_tokens_per_turn=24))
+        trajs = agent.rollout(EXAMPLES, SamplingParams(temperature=temperature, seed=3), samples_per_example=2)
+    assert len(trajs) == 4
+    for traj in trajs:
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        sampler = torch.tensor(traj.sampler_logprobs)
+        # The sampler's log-prob of each model token equals a fresh forward pass over the exact ids: what the
+        # trainer will compute. Observation tokens carry none.
+        torch.testing.assert_close(sampler[mask], recomputed_logprobs(tiny_model, traj, temperature)[mask],
+                                   atol=2e-4, rtol=0)
+        assert (sampler[~mask] == 0).all()
+        assert [t.kind for t in traj.turns][-1] in ("answer", "final")
+        assert len(traj.turns) <= 3
+        for turn in traj.turns:
+            assert turn.finish_reason in ("stop", "eos", "length") and turn.end - turn.start <= 24
+
+
+def test_rag_mode_retrieves_from_the_real_server(tiny_model, tokenizer, server_url):
+    backend = TransformersBackend(tiny_model, tokenizer)
+    with RetrieverClient(server_url) as client:
+        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(mode="rag", max_tokens_per_turn=8))
+        (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
+    assert "Doc 1(Title: Pride and Prejudice)" in tokenizer.decode(traj.prompt_ids)
+    assert len(traj.turns) == 1
+
+
+def test_rag_mode_with_a_dead_retriever_fails_naming_it(tiny_model, tokenizer):
+    """RAG needs its passages before the first token; agent-mode search failures are recorded instead
+    (test_rollout.py::test_retrieval_failure_is_shown_masked_and_recorded)."""
+    backend = TransformersBackend(tiny_model, tokenizer)
+    dead = RetrieverClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01, timeout_s=0.5)
+    agent = SearchAgent(backend, tokenizer, dead, RolloutConfig(mode="rag"))
+    with pytest.raises(RetrieverError, match="rag mode could not retrieve passages.*unavailable"):
+        agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
+
+
+def test_greedy_batched_equals_one_at_a_time(tiny_model, tokenizer):
+    backend = TransformersBackend(tiny_model, tokenizer, max_batch_size=8)
+    prompts = [tokenizer.encode(t) for t in ["short", "a much longer prompt than the first one", "mid length one"]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    batched = backend.generate(prompts, params, ["</search>"])
+    alone = [backend.generate([p], params, ["</search>"])[0] for p in prompts]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
+
+
+def test_top_p_sampling_never_draws_outside_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample_tokens(logits, params, generator) for _ in range(300)]
+    assert {int(t) for t, _ in draws} == {0, 1}
+    for t, lp in draws:  # log-probs under the renormalised nucleus {0.5, 0.3}
+        assert abs(float(lp) - torch.log(torch.tensor([0.5, 0.3]) / 0.8)[int(t)]) < 1e-5
