@@ -6,8 +6,9 @@ STAMP := .venv/.installed-stamp
 INDEX ?= artifacts/indexes/wiki-minilm-flat
 PORT ?= 8000
 PYTEST_ARGS ?=
+EVAL_ARGS ?=
 
-.PHONY: setup test demo index serve bench clean
+.PHONY: setup test demo index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,11 @@ demo: setup
 
 index: setup
 	$(PY) -m emapg.cli index --out $(INDEX)
+
+# The CPU default: SmolLM2-135M, MiniLM index over the packaged Wikipedia (a server is started for the run),
+# 100 answerable questions each of NQ test and TriviaQA test, in direct, RAG and agent modes.
+eval: setup
+	$(PY) -m emapg.cli eval --index $(INDEX) $(EVAL_ARGS)
 
 serve: setup
 	$(PY) -m emapg.cli serve --index $(INDEX) --port $(PORT)

@@ -180,5 +180,95 @@ def demo(
     console.print("server stopped")
 
 
+def index_tag(health: dict) -> str:
+    """A name for the served index, recorded with every answerable subset made from it."""
+    encoder = (health.get("encoder") or "bm25").split("/")[-1]
+    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}-{health['num_docs']}"
+
+
+def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list]:
+    from data.qa import load_flashrag, load_packaged
+
+    out = {}
+    for name in names:
+        if flashrag_root is None and name in ("nq", "triviaqa"):
+            out[name] = load_packaged(name, split)  # type: ignore[arg-type]
+        else:
+            out[name] = load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
+    return out
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help="policy: smollm2-135m-instruct (packaged), a folder or a hub id")] = (
+        "smollm2-135m-instruct"
+    ),
+    datasets: Annotated[str, typer.Option(help="comma-separated: nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, "
+                                          "musique, bamboogle")] = "nq,triviaqa",
+    split: Annotated[str, typer.Option(help="test, dev, or auto (test if the set has one, else dev)")] = "test",
+    flashrag_root: Annotated[Path | None, typer.Option(help="folder of FlashRAG JSONL files (<set>/<split>.jsonl)")] = None,
+    subset: Annotated[str, typer.Option(help="answerable (gold answer in the top-k passages) or full")] = "answerable",
+    answerable_k: Annotated[int, typer.Option(min=1)] = 5,
+    limit: Annotated[int, typer.Option(min=1, help="questions per dataset (the first N)")] = 100,
+    modes: Annotated[str, typer.Option(help="comma-separated: direct, rag, agent")] = "direct,rag,agent",
+    retriever_url: Annotated[str | None, typer.Option(help="a running retriever; default: start one on --index")] = None,
+    index_dir: Annotated[Path, typer.Option("--index", help="index to serve when no --retriever-url")] = DEFAULT_INDEX,
+    max_turns: Annotated[int, typer.Option(min=0)] = 4,
+    max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 500,
+    max_obs_tokens: Annotated[int, typer.Option(min=1)] = 500,
+    topk: Annotated[int, typer.Option(min=1)] = 3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
+) -> None:
+    """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
+    from contextlib import nullcontext
+
+    import httpx
+
+    from agent.hf_backend import TransformersBackend
+    from agent.policy import load_policy, load_tokenizer
+    from agent.rollout import RolloutConfig
+    from eval.answerable import cached_answerable_subset
+    from eval.harness import evaluate
+    from retriever.client import RetrieverClient
+    from retriever.process import running_server
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for m in mode_list:
+        if m not in ("direct", "rag", "agent"):
+            _fail(f"--modes: unknown mode {m!r} (direct, rag, agent)")
+    if subset not in ("answerable", "full"):
+        _fail(f"--subset must be 'answerable' or 'full', got {subset!r}")
+    try:
+        data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    server = nullcontext(retriever_url) if retriever_url else running_server(index_dir)
+    with server as url, RetrieverClient(url, topk=topk, timeout_s=60) as client:
+        tag = index_tag(httpx.get(url + "/health", timeout=10).json())
+        if subset == "answerable":
+            def passages(questions: list[str]) -> list[list[str]]:
+                return [[h.contents for h in hits] for hits in client.search(questions, answerable_k)]
+
+            for name in data:
+                path = ARTIFACTS / "subsets" / tag / f"{name}-{split}-k{answerable_k}.jsonl"
+                chosen = cached_answerable_subset(data[name], passages, answerable_k, tag, path)
+                console.print(f"{name}: {chosen.count:,} of {chosen.total:,} answerable (top-{answerable_k} of {tag})")
+                data[name] = chosen.examples
+        data = {name: examples[:limit] for name, examples in data.items()}
+        tokenizer = load_tokenizer(model)
+        backend = TransformersBackend(load_policy(model), tokenizer, max_batch_size=batch_size)
+        config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                               max_obs_tokens=max_obs_tokens, topk=topk)
+        label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
+            f"full {split} set, first {limit}")
+        report = evaluate(backend, tokenizer, client, data, mode_list, config, model_name=model, subset=label,
+                          out_dir=out, batch_size=batch_size)
+    from rich.markdown import Markdown
+
+    console.print(Markdown(report.markdown()))
+    console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
+
+
 if __name__ == "__main__":
     app()

@@ -7,6 +7,7 @@ use this subset (labelled as such), evaluation reports it beside the full set.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -49,3 +50,20 @@ def filter_answerable(
                     kept.append(ex)
             bar.update(len(batch))
     return AnswerableSubset(examples=kept, index=index_name, k=k, count=len(kept), total=len(examples))
+
+
+def cached_answerable_subset(
+    examples: Sequence[QAExample],
+    search: Callable[[list[str]], list[list[str]]],
+    k: int,
+    index_name: str,
+    path: Path,
+) -> AnswerableSubset:
+    """The subset saved at `path` if it was made from the same index and k, else computed and saved there."""
+    if path.exists() and AnswerableSubset.meta_path(path).exists():
+        subset = AnswerableSubset.load(path)
+        if (subset.index, subset.k, subset.total) == (index_name, k, len(examples)):
+            return subset
+    subset = filter_answerable(examples, search, k=k, index_name=index_name)
+    subset.save(path)
+    return subset
