@@ -264,9 +264,7 @@ def eval_command(
             f"full {split} set, first {limit}")
         report = evaluate(backend, tokenizer, client, data, mode_list, config, model_name=model, subset=label,
                           out_dir=out, batch_size=batch_size)
-    from rich.markdown import Markdown
-
-    console.print(Markdown(report.markdown()))
+    print(report.markdown())  # the Markdown source: readable as is, and wide tables do not get squeezed
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 
 
