@@ -78,3 +78,34 @@ def edit_manifest(folder: Path, **changes) -> None:
             node = node[p]
         node[leaf] = value
     path.write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real SmolLM2 tokenizer (converted once from the packaged GGUF)."""
+    from agent.policy import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """A 2-layer random Llama over SmolLM2's vocabulary: real shapes and tokenizer, seconds on CPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model, tokenizer, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

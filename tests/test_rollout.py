@@ -61,13 +61,6 @@ def example(question: str, i: int = 0) -> QAExample:
     return QAExample(f"nq/test/{i}", "nq", "test", question, ("Jane Austen",), "mem")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from agent.policy import load_tokenizer
-
-    return load_tokenizer()
-
-
 def run(tokenizer, scripts, *, searcher=None, **config):
     backend = FakeScriptedBackend(tokenizer, scripts)
     searcher = searcher or FakeSearcher()

@@ -14,26 +14,6 @@ from retriever.client import RetrieverClient, RetrieverError
 from retriever.process import free_port
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from agent.policy import load_tokenizer
-
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 EXAMPLES = [
     QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t"),
     QAExample("triviaqa/test/0", "triviaqa", "test", "which planet is largest?", ("Jupiter",), "t"),
