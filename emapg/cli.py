@@ -198,6 +198,33 @@ def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> d
     return out
 
 
+@app.command()
+def show(
+    path: Annotated[Path, typer.Argument(help="trajectories JSONL (from eval or training)")],
+    index: Annotated[int, typer.Option(min=0, help="which trajectory (0-based)")] = 0,
+    model: Annotated[str, typer.Option(help="whose tokenizer decodes the ids")] = "smollm2-135m-instruct",
+) -> None:
+    """Print one trajectory as the model saw it; masked spans (observations, invalid-action messages) dimmed."""
+    import itertools
+
+    from rich.text import Text
+
+    from agent.policy import load_tokenizer
+    from agent.trajectory import MASK_CLOSE, MASK_OPEN, load_jsonl
+
+    if not path.is_file():
+        _fail(f"{path} does not exist")
+    traj = next(itertools.islice(load_jsonl(path), index, None), None)
+    if traj is None:
+        _fail(f"{path} has no trajectory {index}")
+    text = Text()
+    for i, part in enumerate(traj.render(load_tokenizer(model)).replace(MASK_CLOSE, MASK_OPEN).split(MASK_OPEN)):
+        text.append(part, style="dim cyan" if i % 2 else "")
+    console.print(text)
+    console.rule(f"{traj.uid}: answer {traj.answer!r}, gold {traj.golden_answers}, {len(traj.turns)} turns, "
+                 f"{traj.num_searches} searches, {traj.model_tokens} model / {traj.observation_tokens} masked tokens")
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[str, typer.Option(help="policy: smollm2-135m-instruct (packaged), a folder or a hub id")] = (
