@@ -1,0 +1,93 @@
+"""The typed training config (YAML + overrides, errors name the field) and checkpoint integrity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.config import ConfigError, load_config
+
+
+
+def test_overrides_and_errors_name_the_field(tmp_path):
+    cfg = load_config(overrides=["kl.beta=0.01", "train.betas=[0.9, 0.99]", "ema.tau=1"])
+    assert cfg.kl.beta == 0.01 and cfg.train.betas == (0.9, 0.99) and cfg.ema.tau == 1.0
+    for override, field in [("kl.bta=1", "kl.bta"), ("kl.estimator=k9", "kl.estimator"), ("ema.tau=1.5", "ema.tau"),
+                            ("train.lr=fast", "train.lr"), ("train.mini_batch_size=7", "train.mini_batch_size")]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(overrides=[override])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(overrides=["kl.beta"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kl: [1, 2]\n")
+    with pytest.raises(ConfigError, match="kl"):
+        load_config(bad)
+
+
+def tiny_state():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    sched.step()
+    return model, opt, sched
+
+
+def make_ckpt(iteration=7):
+    model, opt, sched = tiny_state()
+    anchor = {k: v * 0.5 for k, v in model.state_dict().items()}
+    return Checkpoint(iteration, model.state_dict(), anchor, opt.state_dict(), sched.state_dict(), rng_state(),
+                      {"epoch": 1, "position": 12}, {"model": "tiny", "seed": 0})
+
+
+def test_round_trip_restores_everything_including_rng(tmp_path):
+    ckpt = make_ckpt()
+    expected_next = (random.random(), torch.rand(3))
+    set_rng_state(ckpt.rng)  # rewind to the saved state
+    path = save_checkpoint(ckpt, tmp_path)
+    loaded = load_checkpoint(path)
+    assert loaded.iteration == 7 and loaded.data_cursor == {"epoch": 1, "position": 12}
+    for k, v in ckpt.policy.items():
+        assert torch.equal(loaded.policy[k], v) and torch.equal(loaded.anchor[k], ckpt.anchor[k])
+    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], ckpt.optimizer["state"][0]["exp_avg"])
+    assert loaded.scheduler["last_epoch"] == ckpt.scheduler["last_epoch"]
+    random.random(), torch.rand(3)  # move the generators on
+    set_rng_state(loaded.rng)
+    assert random.random() == expected_next[0] and torch.equal(torch.rand(3), expected_next[1])
+
+
+def test_truncated_modified_or_incomplete_checkpoints_are_refused(tmp_path):
+    path = save_checkpoint(make_ckpt(), tmp_path)
+    weights = path / "policy.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="policy.safetensors is truncated or modified"):
+        load_checkpoint(path)
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    with pytest.raises(CheckpointError, match="truncated or modified"):
+        load_checkpoint(path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        load_checkpoint(path)
+
+
+def test_keeps_the_newest_and_refuses_another_model(tmp_path):
+    for it in (10, 20, 30):
+        save_checkpoint(make_ckpt(it), tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter-000020", "iter-000030"]
+    assert latest_checkpoint(tmp_path).name == "iter-000030"
+    with pytest.raises(CheckpointError, match="model='tiny'"):
+        check_compatible({"model": "tiny"}, {"model": "other"})

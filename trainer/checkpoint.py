@@ -1,0 +1,156 @@
+"""Checkpoints: policy, EMA anchor, optimizer, scheduler, RNG states, data cursor, iteration, config.
+
+A checkpoint is a folder `iter-NNNNNN/` written under a temp name and renamed when complete. Its
+`manifest.json` (written last) lists every file with its size and sha256; loading verifies them all, so a
+truncated or edited checkpoint is refused instead of silently resuming from garbage. Weights are safetensors;
+optimizer/scheduler/RNG state (nested Python objects) go through `torch.save`, loaded with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupt, or made by a different run configuration."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    """Python and NumPy states as JSON-able lists (so nothing needs unpickling), torch's as a tensor."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+@dataclass
+class Checkpoint:
+    iteration: int
+    policy: dict[str, torch.Tensor]
+    anchor: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    data_cursor: dict[str, Any]  # where the prompt sampler is (epoch, position, permutation seed)
+    config: dict[str, Any]  # the run's TrainConfig, as JSON-able dict
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared or non-contiguous storage (tied embeddings share one): save independent copies.
+    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def save_checkpoint(ckpt: Checkpoint, run_dir: Path, keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"iter-{ckpt.iteration:06d}"
+    tmp = root / f".iter-{ckpt.iteration:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(_contiguous(ckpt.policy), str(tmp / "policy.safetensors"))
+    save_file(_contiguous(ckpt.anchor), str(tmp / "anchor.safetensors"))
+    torch.save(
+        {"optimizer": ckpt.optimizer, "scheduler": ckpt.scheduler, "torch_rng": ckpt.rng["torch"]},
+        tmp / "trainer_state.pt",
+    )
+    python_rng = {k: v for k, v in ckpt.rng.items() if k != "torch"}
+    (tmp / "state.json").write_text(json.dumps(
+        {"iteration": ckpt.iteration, "data_cursor": ckpt.data_cursor, "config": ckpt.config, "rng": python_rng},
+        default=str,
+    ))
+    files = sorted(p.name for p in tmp.iterdir())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "iteration": ckpt.iteration,
+        "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in sorted(root.glob("iter-*"))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted((Path(run_dir) / "checkpoints").glob("iter-*"))
+    return found[-1] if found else None
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The manifest, after checking that every listed file exists with the recorded size and sha256."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST}; an incomplete checkpoint (interrupted while saving?)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {e}") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {name} is truncated or modified (size/sha256 differ from the manifest)")
+    return manifest
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    path = Path(path)
+    verify_checkpoint(path)
+    state = json.loads((path / "state.json").read_text())
+    trainer_state = torch.load(path / "trainer_state.pt", weights_only=True)
+    return Checkpoint(
+        iteration=state["iteration"],
+        policy=load_file(str(path / "policy.safetensors")),
+        anchor=load_file(str(path / "anchor.safetensors")),
+        optimizer=trainer_state["optimizer"],
+        scheduler=trainer_state["scheduler"],
+        rng={**state["rng"], "torch": trainer_state["torch_rng"]},
+        data_cursor=state["data_cursor"],
+        config=state["config"],
+    )
+
+
+def check_compatible(ckpt_config: dict[str, Any], config: dict[str, Any], keys: tuple[str, ...] = ("model",)) -> None:
+    """Refuse to resume a run whose model (or other named key) differs from the checkpoint's."""
+    for key in keys:
+        if ckpt_config.get(key) != config.get(key):
+            raise CheckpointError(
+                f"checkpoint was made with {key}={ckpt_config.get(key)!r}, this run has {key}={config.get(key)!r}"
+            )

@@ -1,0 +1,156 @@
+"""One typed config for a training run: YAML file + `section.key=value` overrides, every key checked.
+
+Unknown keys are errors (a typo such as `kl.bta=0.1` must not silently train with the default), and every error
+names the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(Section):
+    train: list[str] = ["nq:dev", "triviaqa:dev"]  # dataset:split; packaged NQ/TriviaQA or FlashRAG names
+    eval: list[str] = ["nq:test", "triviaqa:test"]
+    flashrag_root: Path | None = None
+    subset: Literal["answerable", "full"] = "answerable"
+    answerable_k: int = Field(5, ge=1)
+    eval_limit: int = Field(100, ge=1)  # held-out questions per eval dataset
+
+
+class RetrieverConfig(Section):
+    url: str | None = None  # a running server; None starts one on `index` for the run
+    index: Path = Path("artifacts/indexes/wiki-minilm-flat")
+    topk: int = Field(3, ge=1)
+    timeout_s: float = Field(30.0, gt=0)
+
+
+class RolloutSection(Section):
+    max_turns: int = Field(4, ge=0)
+    max_tokens_per_turn: int = Field(500, ge=1)
+    max_obs_tokens: int = Field(500, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(16, ge=1)  # rows per generation batch
+
+
+class TrainSection(Section):
+    iterations: int = Field(1000, ge=1)
+    prompts_per_iteration: int = Field(512, ge=1)
+    rollouts_per_prompt: int = Field(5, ge=1)
+    mini_batch_size: int = Field(256, ge=1)  # trajectories per optimizer step
+    micro_batch_size: int = Field(8, ge=1)  # trajectories per forward/backward (gradient accumulation)
+    ppo_epochs: int = Field(1, ge=1)
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    normalize_adv_std: bool = True  # False: Dr. GRPO
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class KLSection(Section):
+    estimator: Literal["topk", "exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "none"] = "topk"
+    direction: Literal["reverse", "forward"] = "reverse"
+    topk: int = Field(32, ge=0)
+    beta: float = Field(0.001, ge=0)
+    importance_weight: bool = True
+    iw_clip: float | None = None
+
+
+class EMASection(Section):
+    tau: float = Field(0.9, ge=0, le=1)  # 1.0 = fixed reference (plain GRPO)
+    period: int = Field(10, ge=1)  # iterations between anchor updates
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardSection(Section):
+    format: float = Field(0.0, ge=0, lt=1)  # bonus for a well-formed trajectory; < 1 so it never beats a correct answer
+
+
+class CheckpointSection(Section):
+    every: int = Field(10, ge=1)  # iterations
+    keep: int = Field(2, ge=1)
+
+
+class TrainConfig(Section):
+    name: str = "run"
+    model: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+    out_dir: Path = Path("artifacts/runs")
+    data: DataConfig = DataConfig()
+    retriever: RetrieverConfig = RetrieverConfig()
+    rollout: RolloutSection = RolloutSection()
+    train: TrainSection = TrainSection()
+    kl: KLSection = KLSection()
+    ema: EMASection = EMASection()
+    reward: RewardSection = RewardSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        batch = self.train.prompts_per_iteration * self.train.rollouts_per_prompt
+        if batch % self.train.mini_batch_size:
+            raise ValueError(
+                f"train.mini_batch_size ({self.train.mini_batch_size}) must divide prompts_per_iteration x "
+                f"rollouts_per_prompt ({batch})"
+            )
+        if self.train.mini_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide train.mini_batch_size "
+                f"({self.train.mini_batch_size})"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out_dir / self.name
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message names the field."""
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """`kl.beta=0.01` sets raw["kl"]["beta"] = 0.01 (the value parsed as YAML: numbers, bools, lists)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not key=value (e.g. kl.beta=0.01)")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path} must be a mapping of sections")
+    for override in overrides or []:
+        apply_override(raw, override)
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}: {problems}") from e
