@@ -1,0 +1,1 @@
+"""The EMA-PG learner: KL estimators, policy-gradient losses, the EMA anchor, the training loop."""

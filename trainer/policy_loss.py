@@ -1,0 +1,86 @@
+"""PPO clipped policy-gradient loss with asymmetric clip bounds (DAPO's clip-higher), aggregated over `loss_mask`.
+
+Per token t of a trajectory (only the model's own tokens count: `loss_mask` is 0 on prompt, observation and pad):
+
+    rho_t  = pi_theta(a_t) / pi_old(a_t) = exp(logprob_t - old_logprob_t)
+    loss_t = max(-A rho_t, -A clip(rho_t, 1 - clip_low, 1 + clip_high))
+
+Masked positions never enter the arithmetic: they are replaced by a constant with `torch.where` before the ratio,
+so their gradient is exactly 0 even if they hold extreme log-probs (multiplying by a 0/1 mask would turn an
+overflowed exp into 0 * inf = NaN in the backward pass).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
+
+
+def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean") -> Tensor:
+    """Mean of x (N, T) over positions where mask (N, T) is set; a scalar.
+
+    "token-mean":          sum of x over all masked tokens / number of masked tokens in the batch
+                           (every token weighs the same: long trajectories weigh more).
+    "seq-mean-token-mean": mean over sequences of each sequence's own token-mean
+                           (every trajectory weighs the same); sequences with no masked token are left out.
+    An empty mask gives 0 (with zero gradient), not NaN.
+
+    For gradient accumulation over micro-batches, weight each micro-batch's value by its share of the
+    mini-batch's masked tokens ("token-mean") or of its non-empty sequences ("seq-mean-token-mean").
+    """
+    mask = mask.bool()
+    x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if aggregation == "token-mean":
+        return x.sum() / mask.sum().clamp_min(1)
+    if aggregation == "seq-mean-token-mean":
+        tokens_per_seq = mask.sum(dim=-1)
+        seq_means = x.sum(dim=-1) / tokens_per_seq.clamp_min(1)
+        has_tokens = tokens_per_seq > 0
+        return seq_means[has_tokens].sum() / has_tokens.sum().clamp_min(1)
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def ppo_clip_loss(
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    aggregation: Aggregation = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clip loss over (N, T) token tensors; returns (scalar loss, detached stats).
+
+    logprob:     log pi_theta of each sampled token (carries the gradient)
+    old_logprob: log pi_old, the sampling policy's log-prob (no gradient)
+    advantages:  per-token advantages (N, T), e.g. `broadcast_to_tokens(grpo_advantages(...), loss_mask)`
+    stats (token-means over the mask, whatever `aggregation` is):
+      clip_fraction: share of tokens where the clipped term is the active one (its gradient is 0 there)
+      approx_kl_old: mean of old_logprob - logprob (k1 estimate of KL(pi_old || pi_theta))
+      ratio_mean:    mean of rho
+    """
+    mask = loss_mask.bool()
+    # float32 math whatever the model dtype: exp of a bf16 log-ratio is too coarse near 1.
+    log_ratio = torch.where(mask, logprob.float() - old_logprob.float().detach(), torch.zeros((), device=mask.device))
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.float().detach()
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token_loss = torch.maximum(unclipped, clipped)  # pessimistic bound: take the worse of the two
+    loss = masked_mean(per_token_loss, mask, aggregation)
+
+    with torch.no_grad():
+        clip_active = (clipped > unclipped).float()
+        stats = {
+            "clip_fraction": masked_mean(clip_active, mask),
+            "approx_kl_old": masked_mean(-log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
