@@ -1,0 +1,197 @@
+"""Token-level KL estimators between the policy pi_theta and the anchor pi_ref (design.md §4).
+
+Pure functions on per-token tensors: no masks, no reduction over tokens, no models. All math is in float32
+whatever the input dtype. Gradients flow only through the policy's side (`logprob` / `logits`); everything
+that belongs to the anchor or to the sampling policy pi_old is detached here, whatever the caller passes.
+
+Notation, for a sampled token p (a constant: sampling is not differentiated):
+    log w = log pi_ref(p) - log pi_theta(p)
+    r     = pi_theta(p) / sg(pi_theta(p))     value 1, gradient = grad log pi_theta(p)
+    s     = sg(pi_theta(p) / pi_old(p))       importance weight when p was drawn from pi_old, not pi_theta
+
+"Expected gradient" below means E_p[grad estimator(p)] with p held fixed, i.e. what autograd on a batch of
+sampled tokens gives on average. It is not grad E_p[estimator]: the score-function term of sampling is
+never seen by autograd, and the factor r is how an estimator puts it back.
+
+| kind  | expression               | E[value]   | E[gradient]                           |
+|-------|--------------------------|------------|---------------------------------------|
+| k1    | -log w                   | reverse KL | 0                                     |
+| k2    | (log w)^2 / 2            | biased     | grad reverse KL                       |
+| k3    | w - 1 - log w            | reverse KL | grad forward KL (not reverse)         |
+| k3pp  | r (w - 1 - log w)        | reverse KL | grad reverse KL                       |
+| k4    | r sg(-log w)             | reverse KL | grad reverse KL                       |
+| k5    | sg(w) log w + log r      | forward KL | grad forward KL                       |
+
+reverse KL = KL(pi_theta || pi_ref), forward KL = KL(pi_ref || pi_theta). Logits are assumed finite (a -inf
+logit makes 0 * inf terms); log-probs are always normalised over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SAMPLED_KL_KINDS = ("k1", "k2", "k3", "k3pp", "k4", "k5")
+DIRECTIONS = ("reverse", "forward")
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+def _check_same_shape(name: str, tensor: Tensor, expected: torch.Size, expected_name: str) -> None:
+    if tensor.shape != expected:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected)} (the shape of {expected_name})")
+
+
+def importance_weight(logprob: Tensor, old_logprob: Tensor, iw_clip: float | None = None) -> Tensor:
+    """s = sg(pi_theta(p) / pi_old(p)), optionally clamped to at most `iw_clip` (the clamp biases it)."""
+    s = torch.exp(logprob.float() - old_logprob.float()).detach()
+    return s if iw_clip is None else s.clamp(max=iw_clip)
+
+
+def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: Tensor | None = None) -> Tensor:
+    """Per-token sampled KL estimate, same shape as the inputs (typically (B, T)).
+
+    logprob:     log pi_theta(p) of the sampled token, carries the gradient.
+    ref_logprob: log pi_ref(p) (detached here).
+    old_logprob: log pi_old(p) of the policy that sampled p. If given, the estimate is multiplied by
+                 s = sg(exp(logprob - old_logprob)), so that E_{p~pi_old}[s f(p)] = E_{p~pi_theta}[f(p)] in
+                 value and, since s is a constant, in expected gradient too. Without it p is taken to be
+                 drawn from pi_theta itself (s = 1, as on the first PPO epoch where pi_theta == pi_old).
+    """
+    if kind not in SAMPLED_KL_KINDS:
+        raise ValueError(f"kind must be one of {SAMPLED_KL_KINDS}, got {kind!r}")
+    _check_same_shape("ref_logprob", ref_logprob, logprob.shape, "logprob")
+    if old_logprob is not None:
+        _check_same_shape("old_logprob", old_logprob, logprob.shape, "logprob")
+
+    logprob = logprob.float()
+    log_w = ref_logprob.float().detach() - logprob  # gradient: -grad log pi
+    log_r = logprob - logprob.detach()  # value 0, gradient grad log pi
+    r = torch.exp(log_r)  # value 1, gradient grad log pi
+
+    if kind == "k1":
+        kl = -log_w
+    elif kind == "k2":
+        kl = 0.5 * log_w.square()
+    elif kind == "k3":
+        kl = torch.expm1(log_w) - log_w  # w - 1 - log w; expm1 keeps precision when w ~ 1
+    elif kind == "k3pp":
+        kl = r * (torch.expm1(log_w) - log_w)
+    elif kind == "k4":
+        kl = r * (-log_w).detach()
+    else:  # k5
+        kl = torch.exp(log_w).detach() * log_w + log_r
+
+    if old_logprob is not None:
+        kl = importance_weight(logprob, old_logprob) * kl
+    return kl
+
+
+def exact_kl(logits: Tensor, ref_logits: Tensor, direction: str) -> Tensor:
+    """Full-vocabulary KL per token: logits (..., V) -> (...). Gradient flows through `logits` only.
+
+    reverse: KL(pi_theta || pi_ref) = sum_j pi_theta(j) (log pi_theta(j) - log pi_ref(j))
+    forward: KL(pi_ref || pi_theta) = sum_j pi_ref(j)   (log pi_ref(j)   - log pi_theta(j))
+    Memory: O(V) per token for both models (the thing top-k avoids).
+    """
+    _check_direction(direction)
+    _check_same_shape("ref_logits", ref_logits, logits.shape, "logits")
+    if logits.dim() < 1:
+        raise ValueError("logits need a vocabulary dimension")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ref_logprobs = torch.log_softmax(ref_logits.float().detach(), dim=-1)
+    if direction == "reverse":
+        return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1)
+    return (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
+
+
+def gather_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """log softmax(logits)[..., ids] in float32, normalised over the full vocabulary: (..., V), (..., n) -> (..., n).
+
+    Uses logsumexp + gather instead of log_softmax: autograd keeps the (fp32) logits it already has plus one
+    number per token, not a second (..., V) tensor of log-probs.
+    """
+    logits = logits.float()
+    log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return logits.gather(-1, ids) - log_normaliser
+
+
+def topk_kl(
+    logits: Tensor,
+    ref_topk_logprobs: Tensor,
+    ref_token_logprob: Tensor,
+    topk_ids: Tensor,
+    tokens: Tensor,
+    *,
+    direction: str,
+    old_token_logprob: Tensor | None = None,
+    iw_clip: float | None = None,
+) -> Tensor:
+    """Top-k KL per token (design.md §4): exact on the head q, a sampled estimate on the tail, -> (B, T).
+
+    logits:            (B, T, V) the current policy's logits (the only input that carries gradient).
+    topk_ids:          (B, T, k) q: the sampling policy pi_old's top-k for "reverse", the anchor's for "forward".
+                       k may be 0 (reduces to k4 / k5) or V (the exact KL).
+    ref_topk_logprobs: (B, T, k) log pi_ref at topk_ids.
+    ref_token_logprob: (B, T)    log pi_ref(p) of the sampled token.
+    tokens:            (B, T)    the sampled tokens p.
+    old_token_logprob: (B, T)    log pi_old(p); if given the tail is weighted by s = sg(pi_theta(p) / pi_old(p)),
+                       clamped to at most `iw_clip` if that is given.
+
+    With P_q = sum_{j in q} pi_theta(j):
+      reverse: sum_{j in q} pi_theta(j) (log pi_theta(j) - log pi_ref(j))
+               + s 1[p not in q] r sg(log pi_theta(p) - log pi_ref(p))  - (P_q - sg(P_q))
+      forward: sum_{j in q} pi_ref(j) (log pi_ref(j) - log pi_theta(j))
+               + s 1[p not in q] (sg(w) log w + log r)                 + (P_q - sg(P_q))
+    The last term is zero in value. Its gradient cancels the tail estimator's missing (reverse) or extra
+    (forward) sum_{j not in q} grad pi_theta(j) = -grad P_q, so the expected gradient equals grad KL at any k.
+    """
+    _check_direction(direction)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
+    batch_shape, vocab = logits.shape[:2], logits.shape[2]
+    if topk_ids.dim() != 3 or topk_ids.shape[:2] != batch_shape:
+        raise ValueError(f"topk_ids must be (B, T, k) = {tuple(batch_shape)} + (k,), got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype != torch.long or tokens.dtype != torch.long:
+        raise ValueError(f"topk_ids and tokens must be int64 ids, got {topk_ids.dtype} and {tokens.dtype}")
+    if topk_ids.shape[2] > vocab:
+        raise ValueError(f"k = {topk_ids.shape[2]} exceeds the vocabulary size {vocab}")
+    _check_same_shape("ref_topk_logprobs", ref_topk_logprobs, topk_ids.shape, "topk_ids")
+    _check_same_shape("tokens", tokens, batch_shape, "logits[..., 0]")
+    _check_same_shape("ref_token_logprob", ref_token_logprob, batch_shape, "logits[..., 0]")
+    if old_token_logprob is not None:
+        _check_same_shape("old_token_logprob", old_token_logprob, batch_shape, "logits[..., 0]")
+    if iw_clip is not None:
+        if old_token_logprob is None:
+            raise ValueError("iw_clip clamps the importance weight, which needs old_token_logprob")
+        if not iw_clip > 0:
+            raise ValueError(f"iw_clip must be positive, got {iw_clip}")
+
+    # One gather for the head ids and the sampled token: (B, T, k + 1), nothing of size V beyond the logits.
+    logprobs = gather_logprobs(logits, torch.cat([topk_ids, tokens.unsqueeze(-1)], dim=-1))
+    head_logprobs, token_logprob = logprobs[..., :-1], logprobs[..., -1]
+    head_probs = head_logprobs.exp()
+    head_mass = head_probs.sum(-1)  # P_q
+    ref_head_logprobs = ref_topk_logprobs.float().detach()
+    ref_token_logprob = ref_token_logprob.float().detach()
+
+    # The tail estimate counts only tokens outside q (their mass is already exact in the head).
+    tail_weight = (topk_ids != tokens.unsqueeze(-1)).all(-1).float()  # 1[p not in q]; all() of nothing is True
+    if old_token_logprob is not None:
+        tail_weight = tail_weight * importance_weight(token_logprob, old_token_logprob, iw_clip)
+
+    log_ratio = token_logprob - ref_token_logprob  # log pi_theta(p) - log pi_ref(p) = -log w
+    log_r = token_logprob - token_logprob.detach()
+    mass_grad_only = head_mass - head_mass.detach()  # value 0, gradient grad P_q
+
+    if direction == "reverse":
+        head = (head_probs * (head_logprobs - ref_head_logprobs)).sum(-1)
+        tail = tail_weight * torch.exp(log_r) * log_ratio.detach()  # k4 on the tail
+        return head + tail - mass_grad_only
+    head = (ref_head_logprobs.exp() * (ref_head_logprobs - head_logprobs)).sum(-1)
+    log_w = -log_ratio
+    tail = tail_weight * (torch.exp(log_w).detach() * log_w + log_r)  # k5 on the tail
+    return head + tail + mass_grad_only
