@@ -40,6 +40,7 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     batch_size: int = Field(16, ge=1)  # rows per generation batch
+    mode: Literal["agent", "direct", "rag"] = "agent"  # direct: no retrieval (ablations, tests)
 
 
 class TrainSection(Section):

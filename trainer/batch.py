@@ -1,0 +1,76 @@
+"""Trajectories -> padded tensors for the learner, and the policy's logits at the response positions.
+
+Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row
+sits at column P + j and is predicted by the logits at column P + j - 1. The learner slices the decoder's hidden
+states to those T columns before the LM head: the prompt's V-wide logits are never built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from agent.trajectory import Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: Tensor  # (N, P + T)
+    attention_mask: Tensor  # (N, P + T)
+    position_ids: Tensor  # (N, P + T)
+    response_ids: Tensor  # (N, T)
+    loss_mask: Tensor  # (N, T) bool: the model's own tokens
+    sampler_logprobs: Tensor  # (N, T) what the rollout engine reported
+    advantages: Tensor  # (N,)
+    prompt_width: int
+    # Filled in by Learner.prepare, after rollout and before any update:
+    old_logprobs: Tensor | None = None  # (N, T) pi_old recomputed by the trainer
+    topk_ids: Tensor | None = None  # (N, T, k) top-k of pi_old (reverse KL) or of the anchor (forward)
+    ref_topk_logprobs: Tensor | None = None  # (N, T, k) the anchor's log-probs at topk_ids
+    ref_token_logprob: Tensor | None = None  # (N, T) the anchor's log-prob of the sampled token
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> RolloutBatch:
+        """The sub-batch of these rows (a mini- or micro-batch)."""
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v[rows] if isinstance(v, Tensor) else v
+        return RolloutBatch(**values)
+
+
+def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int) -> RolloutBatch:
+    n = len(trajectories)
+    width_p = max(len(t.prompt_ids) for t in trajectories)
+    width_t = max(max(len(t.response_ids) for t in trajectories), 1)
+    input_ids = torch.full((n, width_p + width_t), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width_p + width_t), dtype=torch.long)
+    response = torch.full((n, width_t), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((n, width_t), dtype=torch.bool)
+    sampler = torch.zeros((n, width_t), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, width_p - p : width_p] = torch.tensor(t.prompt_ids)
+        input_ids[i, width_p : width_p + r] = torch.tensor(t.response_ids, dtype=torch.long)
+        attention[i, width_p - p : width_p + r] = 1
+        response[i, :r] = torch.tensor(t.response_ids, dtype=torch.long)
+        loss_mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.bool)
+        sampler[i, :r] = torch.tensor(t.sampler_logprobs)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return RolloutBatch(input_ids, attention, positions, response, loss_mask, sampler, advantages.float(), width_p)
+
+
+def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+    """(N, T, V) float32 logits predicting each response token, divided by the sampling temperature so that
+    log-probs are those of the distribution the rollout sampled from."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).last_hidden_state
+    p, t = batch.prompt_width, batch.response_ids.shape[1]
+    logits = head(hidden[:, p - 1 : p - 1 + t]).float()
+    return logits / temperature if temperature not in (0.0, 1.0) else logits

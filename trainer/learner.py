@@ -1,0 +1,146 @@
+"""The learner: one EMA-PG update from a batch of scored trajectories.
+
+    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids
+    update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
+              loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
+    then the caller applies the EMA anchor update on its period.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from trainer.advantages import broadcast_to_tokens
+from trainer.batch import RolloutBatch, response_logits
+from trainer.config import KLSection, TrainSection
+from trainer.ema import EmaAnchor
+from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
+from trainer.policy_loss import masked_mean, ppo_clip_loss
+
+
+def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+class Learner:
+    def __init__(
+        self, policy, anchor: EmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
+        temperature: float = 1.0,
+    ):
+        self.policy = policy
+        self.anchor = anchor
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train = train
+        self.kl = kl
+        # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
+        self.temperature = temperature or 1.0
+
+    @torch.no_grad()
+    def prepare(self, batch: RolloutBatch) -> None:
+        """Fill in pi_old's token log-probs and the anchor's values at the top-k ids, micro-batch by micro-batch:
+        the anchor's full-vocabulary log-probs exist only transiently, k + 1 values per token are kept."""
+        k, direction = self.kl.topk, self.kl.direction
+        old, ids, ref_topk, ref_token = [], [], [], []
+        self.policy.eval()
+        for rows in micro_batches(torch.arange(len(batch)), self.train.micro_batch_size):
+            mb = batch.select(rows)
+            policy_logits = response_logits(self.policy, mb, self.temperature)
+            old.append(gather_logprobs(policy_logits, mb.response_ids[..., None])[..., 0])
+            anchor_logits = response_logits(self.anchor.module, mb, self.temperature)
+            source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
+            top = source.topk(k, dim=-1).indices if k > 0 else source.new_zeros((*source.shape[:2], 0), dtype=torch.long)
+            ids.append(top)
+            anchor_values = gather_logprobs(anchor_logits, torch.cat([top, mb.response_ids[..., None]], dim=-1))
+            ref_topk.append(anchor_values[..., :-1])
+            ref_token.append(anchor_values[..., -1])
+        batch.old_logprobs = torch.cat(old)
+        batch.topk_ids = torch.cat(ids)
+        batch.ref_topk_logprobs = torch.cat(ref_topk)
+        batch.ref_token_logprob = torch.cat(ref_token)
+
+    def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
+        old = mb.old_logprobs if self.kl.importance_weight else None
+        if self.kl.estimator == "topk":
+            return topk_kl(
+                logits, mb.ref_topk_logprobs, mb.ref_token_logprob, mb.topk_ids, mb.response_ids,
+                direction=self.kl.direction, old_token_logprob=old, iw_clip=self.kl.iw_clip,
+            )
+        if self.kl.estimator == "exact":
+            with torch.no_grad():
+                anchor_logits = response_logits(self.anchor.module, mb, self.temperature)
+            return exact_kl(logits, anchor_logits, self.kl.direction)
+        return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
+
+    def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
+        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
+        logits = response_logits(self.policy, mb, self.temperature)
+        token_logprob = gather_logprobs(logits, mb.response_ids[..., None])[..., 0]
+        advantages = broadcast_to_tokens(mb.advantages, mb.loss_mask)
+        pg_loss, pg_stats = ppo_clip_loss(
+            token_logprob, mb.old_logprobs, advantages, mb.loss_mask,
+            clip_low=self.train.clip_low, clip_high=self.train.clip_high, aggregation=self.train.aggregation,
+        )
+        loss = pg_loss
+        stats = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        if self.kl.estimator != "none":
+            kl = masked_mean(self.kl_per_token(logits, token_logprob, mb), mb.loss_mask, self.train.aggregation)
+            loss = loss + self.kl.beta * kl
+            stats["kl"] = float(kl.detach())
+        if self.train.entropy_coef > 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            entropy = masked_mean(-(logp.exp() * logp).sum(-1), mb.loss_mask, self.train.aggregation)
+            loss = loss - self.train.entropy_coef * entropy
+        else:
+            with torch.no_grad():
+                logp = torch.log_softmax(logits.detach(), dim=-1)
+                entropy = masked_mean(-(logp.exp() * logp).sum(-1), mb.loss_mask, self.train.aggregation)
+                del logp
+        stats["entropy"] = float(entropy.detach())
+        stats["loss"] = float(loss.detach())
+        (loss * weight).backward()
+        return {k: v * weight for k, v in stats.items()}
+
+    def _weights(self, mini: RolloutBatch, micro_rows: list[Tensor]) -> list[float]:
+        """Each micro-batch's share of the mini-batch mean, so accumulated gradients equal the full mini-batch's."""
+        if self.train.aggregation == "token-mean":
+            counts = [float(mini.loss_mask[r].sum()) for r in micro_rows]
+        else:
+            counts = [float((mini.loss_mask[r].sum(-1) > 0).sum()) for r in micro_rows]
+        total = sum(counts)
+        return [c / total if total else 0.0 for c in counts]
+
+    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
+        assert batch.old_logprobs is not None, "call prepare() first"
+        self.policy.train()
+        totals: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(self.train.ppo_epochs):
+            order = torch.randperm(len(batch), generator=generator)
+            for mini_rows in micro_batches(order, self.train.mini_batch_size):
+                mini = batch.select(mini_rows)
+                self.optimizer.zero_grad(set_to_none=True)
+                micro_rows = micro_batches(torch.arange(len(mini)), self.train.micro_batch_size)
+                for rows, weight in zip(micro_rows, self._weights(mini, micro_rows), strict=True):
+                    if weight == 0.0:
+                        continue
+                    for key, value in self.micro_loss(mini.select(rows), weight).items():
+                        totals[key] += value
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
+                totals["grad_norm"] += float(grad_norm)
+                totals["lr"] += self.scheduler.get_last_lr()[0]
+                self.optimizer.step()
+                self.scheduler.step()
+                steps += 1
+        self.policy.eval()
+        stats = {k: v / max(steps, 1) for k, v in totals.items()}
+        mask = batch.loss_mask
+        gap = (batch.sampler_logprobs - batch.old_logprobs).abs()[mask]
+        stats["sampler_trainer_logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+        stats["sampler_trainer_logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        stats["optimizer_steps"] = steps
+        return stats

@@ -1,0 +1,243 @@
+"""The EMA-PG training loop (in-process; the Ray driver of the scale-out issue runs the same steps).
+
+Per iteration:
+    1. sample B prompts (a seeded permutation per epoch; the cursor is checkpointed)
+    2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
+    3. rewards (EM, + optional format bonus) -> GRPO advantages per group (group id = example id)
+    4. learner.prepare (pi_old, anchor top-k) and learner.update (PPO epochs, AdamW)
+    5. EMA anchor update on every `ema.period`-th iteration
+    6. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agent.backend import SamplingParams
+from agent.hf_backend import TransformersBackend
+from agent.rollout import RolloutConfig, SearchAgent
+from agent.trajectory import Trajectory, save_jsonl
+from data.qa import QAExample
+from trainer.advantages import grpo_advantages
+from trainer.batch import collate
+from trainer.checkpoint import (
+    Checkpoint,
+    check_compatible,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.config import TrainConfig
+from trainer.ema import EmaAnchor, should_update_ema
+from trainer.learner import Learner
+from trainer.reward import reward
+
+RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
+
+
+@dataclass
+class PromptSampler:
+    """Epochs over a fixed example list, each in a seeded random order; (epoch, position) is the cursor."""
+
+    examples: list[QAExample]
+    seed: int
+    epoch: int = 0
+    position: int = 0
+
+    def _order(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples))
+
+    def next(self, n: int) -> list[QAExample]:
+        out: list[QAExample] = []
+        while len(out) < n:
+            order = self._order()
+            take = order[self.position : self.position + n - len(out)]
+            out += [self.examples[i] for i in take]
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def cursor(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.examples)}
+
+    def restore(self, cursor: dict) -> None:
+        if cursor.get("size") != len(self.examples) or cursor.get("seed") != self.seed:
+            raise ValueError(f"checkpoint data cursor {cursor} does not match {len(self.examples)} train examples")
+        self.epoch, self.position = cursor["epoch"], cursor["position"]
+
+
+class RunLogger:
+    """Per-iteration metrics to `metrics.jsonl` and TensorBoard (`tb/`)."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        self.jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        self.jsonl.flush()
+        for key, value in metrics.items():
+            self.tb.add_scalar(key, value, iteration)
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+
+
+def rollout_metrics(trajs: list[Trajectory], scores: list[tuple[float, float, float]]) -> dict[str, float]:
+    n = len(trajs)
+    total_turns = sum(len(t.turns) for t in trajs)
+    mask_tokens = sum(len(t.loss_mask) for t in trajs)
+    return {
+        "reward": sum(s[0] for s in scores) / n,
+        "em": sum(s[1] for s in scores) / n,
+        "format": sum(s[2] for s in scores) / n,
+        "response_tokens": sum(t.model_tokens for t in trajs) / n,
+        "observation_tokens": sum(t.observation_tokens for t in trajs) / n,
+        "searches": sum(t.num_searches for t in trajs) / n,
+        "turns": total_turns / n,
+        "invalid_action_rate": sum(t.num_invalid for t in trajs) / max(1, total_turns),
+        "loss_mask_coverage": sum(t.model_tokens for t in trajs) / max(1, mask_tokens),
+    }
+
+
+class Trainer:
+    """Everything a run holds: policy, anchor, optimizer, data cursor. `run()` trains to cfg.train.iterations."""
+
+    def __init__(self, cfg: TrainConfig, policy, tokenizer, examples: list[QAExample], *, retriever=None,
+                 reward_fn: RewardFn | None = None):
+        self.cfg = cfg
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = warmup_schedule(self.optimizer, t.warmup_steps)
+        self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature)
+        self.sampler = PromptSampler(examples, cfg.seed)
+        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
+        r = cfg.rollout
+        self.agent = SearchAgent(
+            TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size), tokenizer, retriever,
+            RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                          max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode),
+        )
+        self.iteration = 0
+
+    def state(self) -> Checkpoint:
+        return Checkpoint(
+            iteration=self.iteration, policy=self.policy.state_dict(), anchor=self.anchor.state_dict(),
+            optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=rng_state(),
+            data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"),
+        )
+
+    def restore(self, path: Path) -> None:
+        ckpt = load_checkpoint(path)
+        check_compatible(ckpt.config, self.cfg.model_dump(mode="json"), keys=("model", "seed"))
+        self.policy.load_state_dict(ckpt.policy)
+        self.anchor.load_state_dict(ckpt.anchor)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.scheduler)
+        self.sampler.restore(ckpt.data_cursor)
+        set_rng_state(ckpt.rng)
+        self.iteration = ckpt.iteration
+
+    def init_from(self, path: Path) -> None:
+        """Start RL from another run's checkpoint (e.g. SFT): its policy, and the anchor set to that policy."""
+        self.policy.load_state_dict(load_checkpoint(path).policy)
+        self.anchor = EmaAnchor(self.policy, dtype=getattr(torch, self.cfg.ema.dtype))
+        self.learner.anchor = self.anchor
+
+    def step(self) -> dict[str, float]:
+        """One iteration; returns its metrics."""
+        cfg, t = self.cfg, self.cfg.train
+        self.iteration += 1
+        timings = {}
+        start = time.perf_counter()
+        examples = self.sampler.next(t.prompts_per_iteration)
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_tokens=cfg.rollout.max_tokens_per_turn, seed=cfg.seed * 1_000_003 + self.iteration)
+        trajs = self.agent.rollout(examples, params, t.rollouts_per_prompt)
+        timings["time_rollout_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        scores = [self.reward_fn(traj) for traj in trajs]
+        advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
+                                     normalize_std=t.normalize_adv_std)
+        batch = collate(trajs, advantages, self.tokenizer.pad_token_id or 0)
+        self.learner.prepare(batch)
+        timings["time_prepare_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + self.iteration)
+        stats = self.learner.update(batch, generator)
+        timings["time_update_s"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        if should_update_ema(self.iteration, cfg.ema.period):
+            self.anchor.update(self.policy, cfg.ema.tau)
+        timings["time_ema_s"] = time.perf_counter() - start
+        save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
+        return {**rollout_metrics(trajs, scores), **stats, "anchor_distance": self.anchor.distance(self.policy),
+                **timings}
+
+    def run(self, progress: Callable[[int, dict], None] | None = None) -> list[dict[str, float]]:
+        logger = RunLogger(self.cfg.run_dir)
+        history = []
+        try:
+            while self.iteration < self.cfg.train.iterations:
+                metrics = self.step()
+                logger.log(self.iteration, metrics)
+                history.append(metrics)
+                if progress:
+                    progress(self.iteration, metrics)
+                if self.iteration % self.cfg.checkpoint.every == 0 or self.iteration == self.cfg.train.iterations:
+                    save_checkpoint(self.state(), self.cfg.run_dir, keep=self.cfg.checkpoint.keep)
+        finally:
+            logger.close()
+        return history
+
+
+def resume_or_start(trainer: Trainer, resume: bool, init: Path | None) -> None:
+    if resume:
+        path = latest_checkpoint(trainer.cfg.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {trainer.cfg.run_dir / 'checkpoints'}")
+        trainer.restore(path)
+    elif init is not None:
+        trainer.init_from(init)
+
+
+def retriever_context(cfg: TrainConfig):
+    """A client for the configured retriever, starting a server on cfg.retriever.index when no URL is given."""
+    from retriever.process import running_server
+
+    if cfg.rollout.mode == "direct":
+        return nullcontext(None)
+    return nullcontext(cfg.retriever.url) if cfg.retriever.url else running_server(cfg.retriever.index)
