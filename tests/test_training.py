@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,9 +89,9 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
     # The same run in a child process killed hard (SIGKILL) after iteration 2 is checkpointed ...
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
-        sys.path.insert(0, {str(tmp_path.parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from tests.test_training import first_token_reward, tiny_config, tiny_examples
+        from test_training import first_token_reward, tiny_config, tiny_examples
         from trainer.loop import Trainer
         from pathlib import Path
         model = AutoModelForCausalLM.from_pretrained({str(peaked_model_dir)!r}).eval()
@@ -102,8 +103,6 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
                 os.kill(os.getpid(), signal.SIGKILL)
         trainer.run(progress=kill_after_two)
     """)
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     child = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True)
     assert child.returncode == -9, child.stderr[-2000:]

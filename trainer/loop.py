@@ -215,10 +215,10 @@ class Trainer:
                 metrics = self.step()
                 logger.log(self.iteration, metrics)
                 history.append(metrics)
-                if progress:
-                    progress(self.iteration, metrics)
                 if self.iteration % self.cfg.checkpoint.every == 0 or self.iteration == self.cfg.train.iterations:
                     save_checkpoint(self.state(), self.cfg.run_dir, keep=self.cfg.checkpoint.keep)
+                if progress:  # after the checkpoint: what it reports is already on disk
+                    progress(self.iteration, metrics)
         finally:
             logger.close()
         return history
