@@ -295,5 +295,71 @@ def eval_command(
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 
 
+def load_train_examples(cfg, client, tag: str) -> list:
+    """The training questions: cfg.data.train (dataset:split), reduced to the answerable subset when asked."""
+    from eval.answerable import cached_answerable_subset
+
+    if cfg.data.subset == "answerable" and client is None:
+        _fail("data.subset=answerable needs a retriever (rollout.mode=direct has none): set data.subset=full")
+    examples = []
+    for spec in cfg.data.train:
+        name, _, split = spec.partition(":")
+        data = load_datasets([name], split or "dev", cfg.data.flashrag_root)[name]
+        if cfg.data.subset == "answerable":
+            def passages(questions: list[str]) -> list[list[str]]:
+                return [[h.contents for h in hits] for hits in client.search(questions, cfg.data.answerable_k)]
+
+            path = ARTIFACTS / "subsets" / tag / f"{name}-{split or 'dev'}-k{cfg.data.answerable_k}.jsonl"
+            data = cached_answerable_subset(data, passages, cfg.data.answerable_k, tag, path).examples
+        examples += data
+    return examples
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option(help="YAML config (configs/cpu_demo.yaml, ...)")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the run from its latest checkpoint")] = False,
+    init: Annotated[Path | None, typer.Option(help="start from this checkpoint's policy (e.g. SFT); anchor = it")] = None,
+) -> None:
+    """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
+    import httpx
+
+    from agent.policy import load_policy, load_tokenizer
+    from retriever.client import RetrieverClient
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError, load_config
+    from trainer.loop import Trainer, resume_or_start, retriever_context, seed_everything
+
+    try:
+        cfg = load_config(config, list(ctx.args))
+    except ConfigError as e:
+        _fail(str(e))
+    seed_everything(cfg.seed)
+    with retriever_context(cfg) as url:
+        client = RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) if url else None
+        tag = index_tag(httpx.get(url + "/health", timeout=10).json()) if url else "none"
+        examples = load_train_examples(cfg, client, tag)
+        console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
+        tokenizer = load_tokenizer(cfg.model)
+        policy = load_policy(cfg.model, dtype=cfg.dtype)
+        trainer = Trainer(cfg, policy, tokenizer, examples, retriever=client)
+        try:
+            resume_or_start(trainer, resume, init)
+        except (CheckpointError, FileNotFoundError, ValueError) as e:
+            _fail(str(e))
+
+        def show(iteration: int, m: dict) -> None:
+            console.print(
+                f"iter {iteration:>4}  reward {m['reward']:.3f}  em {m['em']:.3f}  kl {m.get('kl', 0):.4f}  "
+                f"clip {m['clip_fraction']:.3f}  entropy {m['entropy']:.2f}  grad {m['grad_norm']:.2f}  "
+                f"len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
+                f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s"
+            )
+
+        trainer.run(progress=show)
+    console.print(f"done: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/)")
+
+
 if __name__ == "__main__":
     app()
