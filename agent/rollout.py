@@ -55,7 +55,7 @@ class SearchAgent:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _observation_ids(self, body_text: str) -> list[int]:
+    def observation_ids(self, body_text: str) -> list[int]:
         opening, body, closing = observation_text(body_text)
         return self._encode(opening) + self._encode(body)[: self.config.max_obs_tokens] + self._encode(closing)
 
@@ -123,7 +123,7 @@ class SearchAgent:
                     else:
                         turn.doc_ids = [h.id for h in results[i]]
                         body = format_hits(results[i])
-                    _, turn.observation_end = traj.append(self._observation_ids(body), model=False)
+                    _, turn.observation_end = traj.append(self.observation_ids(body), model=False)
         for traj in trajectories:
             traj.answer = extract_answer([self.tokenizer.decode(traj.response_ids[t.start : t.end]) for t in traj.turns])
         return trajectories

@@ -86,3 +86,64 @@ def test_top_p_sampling_never_draws_outside_the_nucleus():
     assert {int(t) for t, _ in draws} == {0, 1}
     for t, lp in draws:  # log-probs under the renormalised nucleus {0.5, 0.3}
         assert abs(float(lp) - torch.log(torch.tensor([0.5, 0.3]) / 0.8)[int(t)]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def protocol_model(tiny_model, tokenizer, server_url):
+    """The tiny model after memorising one real protocol trajectory (search -> real <information> -> answer):
+    greedy decoding then walks the search and answer branches for real, through the real server."""
+    import copy
+
+    from agent.protocol import prompt_ids, prompt_text
+
+    from retriever.client import format_hits
+
+    with RetrieverClient(server_url) as client:
+        hits = client.search(["pride and prejudice"], 3)[0]
+        agent = SearchAgent(None, tokenizer, client, RolloutConfig())  # only for its observation formatting
+    turn1 = tokenizer.encode("<search> pride and prejudice </search>", add_special_tokens=False)
+    obs = agent.observation_ids(format_hits(hits))
+    turn2 = tokenizer.encode("<answer> Jane Austen </answer>", add_special_tokens=False)
+    prompt = prompt_ids(tokenizer, prompt_text(EXAMPLES[0].question))
+    ids = torch.tensor([prompt + turn1 + obs + turn2])
+    mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)])
+    model = copy.deepcopy(tiny_model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    targets = mask[0, 1:].bool()  # positions whose next token is the model's own
+    for _ in range(300):
+        hidden = model.get_decoder()(ids).last_hidden_state[0, :-1][targets]
+        loss = F.cross_entropy(model.get_output_embeddings()(hidden), ids[0, 1:][targets])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    return model.eval()
+
+
+def test_search_and_answer_branches_end_to_end(protocol_model, tokenizer, server_url):
+    backend = TransformersBackend(protocol_model, tokenizer)
+    with RetrieverClient(server_url) as client:
+        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=2, max_tokens_per_turn=16))
+        (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
+    assert [t.kind for t in traj.turns] == ["search", "answer"]
+    assert traj.turns[0].query == "pride and prejudice" and len(traj.turns[0].doc_ids) == 3
+    assert traj.answer == "Jane Austen"
+    obs = tokenizer.decode(traj.response_ids[traj.turns[0].end : traj.turns[0].observation_end])
+    assert obs.startswith("\n\n<information>Doc 1(Title: Pride and Prejudice)")
+    mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+    torch.testing.assert_close(torch.tensor(traj.sampler_logprobs)[mask],
+                               recomputed_logprobs(protocol_model, traj, 0.0)[mask], atol=2e-4, rtol=0)
+
+
+def test_turn_limit_final_turn_and_retrieval_timeout_end_to_end(protocol_model, tokenizer, server_url):
+    backend = TransformersBackend(protocol_model, tokenizer)
+    with RetrieverClient(server_url) as client:  # one search allowed: the answer comes in the final turn
+        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=1, max_tokens_per_turn=16))
+        (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
+    assert [t.kind for t in traj.turns] == ["search", "answer"] and traj.answer == "Jane Austen"
+    agent = SearchAgent(backend, tokenizer, RetrieverClient(f"http://127.0.0.1:{free_port()}", retries=1,
+                        backoff_s=0.01, timeout_s=0.5), RolloutConfig(max_turns=1, max_tokens_per_turn=16))
+    (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
+    assert traj.turns[0].kind == "search" and "unavailable" in traj.turns[0].retrieval_error
+    assert traj.turns[-1].kind in ("answer", "final")  # the rollout finished; nothing was lost
