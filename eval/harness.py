@@ -31,6 +31,7 @@ class DatasetResult:
     cover_em: float
     f1: float
     answered: float  # fraction with an <answer> (the valid-format rate)
+    text_cover_em: float  # gold answer anywhere in the model's own text, tags or not (does it know, not say?)
     mean_searches: float
     mean_turns: float
     invalid_action_rate: float  # invalid turns / all turns
@@ -48,7 +49,10 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def score(trajectories: list[Trajectory], dataset: str, mode: str, seconds: float) -> DatasetResult:
+def score(
+    trajectories: list[Trajectory], dataset: str, mode: str, seconds: float, model_texts: list[str]
+) -> DatasetResult:
+    """`model_texts[i]`: the decoded model tokens of trajectory i (observations excluded)."""
     n = len(trajectories)
     ems = [exact_match(t.answer, t.golden_answers) for t in trajectories]
     turns = [len(t.turns) for t in trajectories]
@@ -65,6 +69,8 @@ def score(trajectories: list[Trajectory], dataset: str, mode: str, seconds: floa
         cover_em=mean([cover_exact_match(t.answer, t.golden_answers) for t in trajectories]),
         f1=mean([f1(t.answer, t.golden_answers) for t in trajectories]),
         answered=mean([t.answer is not None for t in trajectories]),
+        text_cover_em=mean([cover_exact_match(text, t.golden_answers) for t, text in zip(trajectories, model_texts,
+                                                                                         strict=True)]),
         mean_searches=mean([t.num_searches for t in trajectories]),
         mean_turns=mean(turns),
         invalid_action_rate=sum(t.num_invalid for t in trajectories) / max(1, sum(turns)),
@@ -90,13 +96,15 @@ class EvalReport:
         lines = [
             f"model: `{self.model}`; questions: {self.subset}; wall time {self.seconds / 60:.1f} min",
             "",
-            "| dataset | mode | n | EM | EM 95% CI | cover-EM | F1 | answered | searches | turns | invalid | tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| dataset | mode | n | EM | EM 95% CI | cover-EM | F1 | answered | gold in text | searches | turns "
+            "| invalid | tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.results:
             lines.append(
                 f"| {r.dataset} | {r.mode} | {r.n} | {r.em:.3f} | {r.em_ci95[0]:.3f}-{r.em_ci95[1]:.3f} | "
-                f"{r.cover_em:.3f} | {r.f1:.3f} | {r.answered:.2f} | {r.mean_searches:.2f} | {r.mean_turns:.2f} | "
+                f"{r.cover_em:.3f} | {r.f1:.3f} | {r.answered:.2f} | {r.text_cover_em:.2f} | {r.mean_searches:.2f} | "
+                f"{r.mean_turns:.2f} | "
                 f"{r.invalid_action_rate:.2f} | {r.mean_response_tokens:.0f} |"
             )
         lines += ["", "| mode | average EM over datasets |", "|---|---|"]
@@ -135,6 +143,12 @@ def plot_em(report: EvalReport, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def model_text(tokenizer, traj: Trajectory) -> str:
+    """What the model itself wrote: its tokens only, special tokens dropped."""
+    ids = [i for i, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m]
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def run_mode(
@@ -180,7 +194,8 @@ def evaluate(
                 progress.set_postfix_str(f"{name} / {mode}")
                 t0 = time.perf_counter()
                 trajectories = run_mode(backend, tokenizer, retriever, examples, config, batch_size, progress)
-                report.results.append(score(trajectories, name, mode, time.perf_counter() - t0))
+                texts = [model_text(tokenizer, t) for t in trajectories]
+                report.results.append(score(trajectories, name, mode, time.perf_counter() - t0, texts))
                 save_jsonl(trajectories, out_dir / "trajectories" / f"{name}.{mode}.jsonl")
     report.seconds = time.perf_counter() - start
     report.finish()

@@ -27,11 +27,13 @@ def test_score_counts_what_it_says():
         traj(None, ["Paris"], ["invalid", "invalid", "final"]),
         traj("London", ["Paris"], ["answer"]),
     ]
-    r = score(trajectories, "nq", "agent", seconds=1.0)
+    texts = ["Jane Austen", "It was Jane Austen", "I think Paris", "London"]
+    r = score(trajectories, "nq", "agent", seconds=1.0, model_texts=texts)
     assert r.n == 4
     assert r.em == 0.25 and r.cover_em == 0.5
     assert r.f1 == pytest.approx((1 + 2 * (2 / 4) * 1 / (2 / 4 + 1) + 0 + 0) / 4)
     assert r.answered == 0.75
+    assert r.text_cover_em == 0.75  # "I think Paris" knows the answer without the tags
     assert r.mean_searches == 0.25 and r.mean_turns == 2.0
     assert r.invalid_action_rate == 3 / 8
     assert r.mean_response_tokens == 15.0
@@ -52,7 +54,7 @@ def test_wilson_interval():
 def test_report_files(tmp_path):
     report = EvalReport(model="m", subset="s")
     report.results = [
-        score([traj("a" if (d, m) != ("nq", "agent") else "b", ["a"], ["answer"])], d, m, 1.0)
+        score([traj("a" if (d, m) != ("nq", "agent") else "b", ["a"], ["answer"])], d, m, 1.0, ["x"])
         for d in ("nq", "hotpotqa") for m in ("direct", "agent")
     ]
     report.finish()
@@ -60,7 +62,7 @@ def test_report_files(tmp_path):
     report.save(tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["averages"]["agent"] == 0.5
     md = (tmp_path / "report.md").read_text()
-    assert "| nq | agent | 1 | 0.000 |" in md and "| agent | 0.500 |" in md
+    assert "| nq | agent | 1 | 0.000 |" in md and "| agent | 0.500 |" in md and "gold in text" in md
     assert (tmp_path / "em.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
