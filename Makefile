@@ -47,6 +47,8 @@ serve: setup
 bench: setup
 	$(PY) benchmarks/retriever_throughput.py
 	$(PY) benchmarks/index_types.py
+	$(PY) benchmarks/rollout.py
+	$(PY) benchmarks/kl.py
 
 clean:
 	rm -rf artifacts .pytest_cache
