@@ -90,15 +90,13 @@ class Learner:
             kl = masked_mean(self.kl_per_token(logits, token_logprob, mb), mb.loss_mask, self.train.aggregation)
             loss = loss + self.kl.beta * kl
             stats["kl"] = float(kl.detach())
-        if self.train.entropy_coef > 0:
+        # Entropy is always logged; it carries gradient only when it is in the loss.
+        with torch.set_grad_enabled(self.train.entropy_coef > 0):
             logp = torch.log_softmax(logits, dim=-1)
             entropy = masked_mean(-(logp.exp() * logp).sum(-1), mb.loss_mask, self.train.aggregation)
+            del logp
+        if self.train.entropy_coef > 0:
             loss = loss - self.train.entropy_coef * entropy
-        else:
-            with torch.no_grad():
-                logp = torch.log_softmax(logits.detach(), dim=-1)
-                entropy = masked_mean(-(logp.exp() * logp).sum(-1), mb.loss_mask, self.train.aggregation)
-                del logp
         stats["entropy"] = float(entropy.detach())
         stats["loss"] = float(loss.detach())
         (loss * weight).backward()
