@@ -83,6 +83,16 @@ def extract_answer(model_texts: list[str]) -> str | None:
     return answers[-1] if answers else None
 
 
-def observation_text(formatted_hits: str) -> tuple[str, str, str]:
-    """(opening, body, closing) of an observation; the body alone is truncated to max_obs_tokens."""
-    return "\n\n<information>", formatted_hits, "</information>\n\n"
+def encode(tokenizer, text: str) -> list[int]:
+    """Ids of text appended mid-conversation (no BOS or other special tokens)."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def observation_ids(tokenizer, formatted_hits: str, max_obs_tokens: int) -> list[int]:
+    """`<information>` + the hits, truncated to max_obs_tokens, + `</information>`: the ids the model is shown.
+    Only the body is truncated, so the closing tag is always there."""
+    return (
+        encode(tokenizer, "\n\n<information>")
+        + encode(tokenizer, formatted_hits)[:max_obs_tokens]
+        + encode(tokenizer, "</information>\n\n")
+    )

@@ -15,8 +15,9 @@ from agent.protocol import (
     ANSWER_STOP,
     INVALID_ACTION,
     SEARCH_STOP,
+    encode,
     extract_answer,
-    observation_text,
+    observation_ids,
     parse_action,
     prompt_ids,
     prompt_text,
@@ -51,13 +52,6 @@ class SearchAgent:
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.config = config
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def observation_ids(self, body_text: str) -> list[int]:
-        opening, body, closing = observation_text(body_text)
-        return self._encode(opening) + self._encode(body)[: self.config.max_obs_tokens] + self._encode(closing)
 
     def _search(self, queries: list[str]) -> tuple[list[list[Hit]] | None, str | None]:
         assert self.retriever is not None
@@ -113,7 +107,7 @@ class SearchAgent:
                     turn.query = action.content
                     searching.append((traj, turn))
                 else:
-                    _, turn.observation_end = traj.append(self._encode(INVALID_ACTION), model=False)
+                    _, turn.observation_end = traj.append(encode(self.tokenizer, INVALID_ACTION), model=False)
             if searching:
                 results, error = self._search([turn.query for _, turn in searching])  # type: ignore[misc]
                 for i, (traj, turn) in enumerate(searching):
@@ -123,7 +117,9 @@ class SearchAgent:
                     else:
                         turn.doc_ids = [h.id for h in results[i]]
                         body = format_hits(results[i])
-                    _, turn.observation_end = traj.append(self.observation_ids(body), model=False)
+                    _, turn.observation_end = traj.append(
+                        observation_ids(self.tokenizer, body, self.config.max_obs_tokens), model=False
+                    )
         for traj in trajectories:
             traj.answer = extract_answer([self.tokenizer.decode(traj.response_ids[t.start : t.end]) for t in traj.turns])
         return trajectories

@@ -61,6 +61,11 @@ class Trajectory:
         return sum(t.kind == "invalid" for t in self.turns)
 
     @property
+    def well_formed(self) -> bool:
+        """Ended in an <answer> with no invalid action on the way (the protocol followed throughout)."""
+        return bool(self.turns) and self.turns[-1].kind == "answer" and self.num_invalid == 0
+
+    @property
     def model_tokens(self) -> int:
         return sum(self.loss_mask)
 

@@ -10,19 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from emapg.workflow import ARTIFACTS
+
 app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
 console = Console()
 
-ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
 PACKAGED_CORPUS = ARTIFACTS / "corpus" / "wiki-summaries.jsonl"
 DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
-DEMO_QUESTIONS = [
-    "who wrote pride and prejudice",
-    "what is the capital of australia",
-    "who painted the mona lisa",
-    "when did the berlin wall fall",
-    "what is the largest planet in the solar system",
-]
 
 
 def _fail(message: str) -> None:
@@ -158,47 +152,6 @@ def search(
 
 
 @app.command()
-def demo(
-    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
-    topk: Annotated[int, typer.Option(min=1)] = 3,
-) -> None:
-    """Build the packaged-Wikipedia index, start the server, ask real questions, print the hits, stop."""
-    from retriever.client import RetrieverClient
-    from retriever.process import running_server
-
-    if not (index_dir / "manifest.json").exists():
-        console.rule("building the index (once)")
-        index(out=index_dir)
-    console.rule("starting the retrieval server")
-    log = ARTIFACTS / "logs" / "demo-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with running_server(index_dir, log=log) as url:
-        console.print(f"server at {url} (log: {log})")
-        with RetrieverClient(url, topk=topk) as client:
-            for question, hits in zip(DEMO_QUESTIONS, client.search(DEMO_QUESTIONS), strict=True):
-                print_hits(question, hits)
-    console.print("server stopped")
-
-
-def index_tag(health: dict) -> str:
-    """A name for the served index, recorded with every answerable subset made from it."""
-    encoder = (health.get("encoder") or "bm25").split("/")[-1]
-    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}-{health['num_docs']}"
-
-
-def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list]:
-    from data.qa import load_flashrag, load_packaged
-
-    out = {}
-    for name in names:
-        if flashrag_root is None and name in ("nq", "triviaqa"):
-            out[name] = load_packaged(name, split)  # type: ignore[arg-type]
-        else:
-            out[name] = load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
-    return out
-
-
-@app.command()
 def show(
     path: Annotated[Path, typer.Argument(help="trajectories JSONL (from eval or training)")],
     index: Annotated[int, typer.Option(min=0, help="which trajectory (0-based)")] = 0,
@@ -246,6 +199,8 @@ def eval_command(
     topk: Annotated[int, typer.Option(min=1)] = 3,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
+    checkpoint: Annotated[Path | None, typer.Option(help="a training checkpoint (or run folder) whose policy weights "
+                                                   "replace --model's")] = None,
 ) -> None:
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
     from contextlib import nullcontext
@@ -255,10 +210,11 @@ def eval_command(
     from agent.hf_backend import TransformersBackend
     from agent.policy import load_policy, load_tokenizer
     from agent.rollout import RolloutConfig
-    from eval.answerable import cached_answerable_subset
+    from emapg.workflow import answerable, index_tag, load_datasets
     from eval.harness import evaluate
     from retriever.client import RetrieverClient
     from retriever.process import running_server
+    from trainer.checkpoint import CheckpointError, load_policy_weights
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
@@ -274,17 +230,17 @@ def eval_command(
     with server as url, RetrieverClient(url, topk=topk, timeout_s=60) as client:
         tag = index_tag(httpx.get(url + "/health", timeout=10).json())
         if subset == "answerable":
-            def passages(questions: list[str]) -> list[list[str]]:
-                return [[h.contents for h in hits] for hits in client.search(questions, answerable_k)]
-
-            for name in data:
-                path = ARTIFACTS / "subsets" / tag / f"{name}-{split}-k{answerable_k}.jsonl"
-                chosen = cached_answerable_subset(data[name], passages, answerable_k, tag, path)
-                console.print(f"{name}: {chosen.count:,} of {chosen.total:,} answerable (top-{answerable_k} of {tag})")
-                data[name] = chosen.examples
+            data = {name: answerable(examples, client, answerable_k, tag, f"{name}-{split}")
+                    for name, examples in data.items()}
         data = {name: examples[:limit] for name, examples in data.items()}
         tokenizer = load_tokenizer(model)
-        backend = TransformersBackend(load_policy(model), tokenizer, max_batch_size=batch_size)
+        policy = load_policy(model)
+        if checkpoint is not None:
+            try:
+                policy.load_state_dict(load_policy_weights(checkpoint))
+            except (CheckpointError, RuntimeError) as e:
+                _fail(f"--checkpoint: {e}")
+        backend = TransformersBackend(policy, tokenizer, max_batch_size=batch_size)
         config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
                                max_obs_tokens=max_obs_tokens, topk=topk)
         label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
@@ -295,24 +251,56 @@ def eval_command(
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 
 
-def load_train_examples(cfg, client, tag: str) -> list:
-    """The training questions: cfg.data.train (dataset:split), reduced to the answerable subset when asked."""
-    from eval.answerable import cached_answerable_subset
+def _run_config(ctx: typer.Context, config: Path | None):
+    from trainer.config import ConfigError, load_config
+    from trainer.loop import seed_everything
 
-    if cfg.data.subset == "answerable" and client is None:
-        _fail("data.subset=answerable needs a retriever (rollout.mode=direct has none): set data.subset=full")
-    examples = []
-    for spec in cfg.data.train:
-        name, _, split = spec.partition(":")
-        data = load_datasets([name], split or "dev", cfg.data.flashrag_root)[name]
-        if cfg.data.subset == "answerable":
-            def passages(questions: list[str]) -> list[list[str]]:
-                return [[h.contents for h in hits] for hits in client.search(questions, cfg.data.answerable_k)]
+    try:
+        cfg = load_config(config, list(ctx.args))
+    except ConfigError as e:
+        _fail(str(e))
+    seed_everything(cfg.seed)
+    return cfg
 
-            path = ARTIFACTS / "subsets" / tag / f"{name}-{split or 'dev'}-k{cfg.data.answerable_k}.jsonl"
-            data = cached_answerable_subset(data, passages, cfg.data.answerable_k, tag, path).examples
-        examples += data
-    return examples
+
+def _client_and_tag(url: str | None, cfg):
+    import httpx
+
+    from emapg.workflow import index_tag
+    from retriever.client import RetrieverClient
+
+    if url is None:
+        return None, "none"
+    client = RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s)
+    return client, index_tag(httpx.get(url + "/health", timeout=10).json())
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sft(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option(help="YAML config (configs/cpu_demo.yaml, ...); its sft section")] = None,
+) -> None:
+    """Warm start: build protocol demonstrations with the real retriever, then supervised training on their model
+    tokens. Writes <run>/sft/checkpoints/ for `emapg train --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
+    from agent.policy import load_policy, load_tokenizer
+    from emapg.workflow import build_sft_data, run_sft, train_examples
+    from trainer.loop import retriever_context
+
+    cfg = _run_config(ctx, config)
+    if cfg.rollout.mode != "agent":
+        _fail("sft builds search demonstrations: rollout.mode must be agent")
+    with retriever_context(cfg) as url:
+        client, tag = _client_and_tag(url, cfg)
+        try:
+            examples = train_examples(cfg, client, tag)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+        tokenizer = load_tokenizer(cfg.model)
+        demos = build_sft_data(cfg, client, tokenizer, examples)
+    if not demos:
+        _fail("no demonstrations: no train question's retrieved documents show its gold answer")
+    path = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, demos)
+    console.print(f"done: {path}; start RL with `emapg train --init {cfg.sft_dir}`")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -320,45 +308,71 @@ def train(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(help="YAML config (configs/cpu_demo.yaml, ...)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run from its latest checkpoint")] = False,
-    init: Annotated[Path | None, typer.Option(help="start from this checkpoint's policy (e.g. SFT); anchor = it")] = None,
+    init: Annotated[Path | None, typer.Option(help="start from this checkpoint's (or run folder's latest) policy, "
+                                              "e.g. SFT's; the anchor starts equal to it")] = None,
 ) -> None:
     """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
-    import httpx
-
     from agent.policy import load_policy, load_tokenizer
-    from retriever.client import RetrieverClient
+    from emapg.workflow import print_iteration, train_examples
     from trainer.checkpoint import CheckpointError
-    from trainer.config import ConfigError, load_config
-    from trainer.loop import Trainer, resume_or_start, retriever_context, seed_everything
+    from trainer.loop import Trainer, resume_or_start, retriever_context
 
-    try:
-        cfg = load_config(config, list(ctx.args))
-    except ConfigError as e:
-        _fail(str(e))
-    seed_everything(cfg.seed)
+    cfg = _run_config(ctx, config)
     with retriever_context(cfg) as url:
-        client = RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) if url else None
-        tag = index_tag(httpx.get(url + "/health", timeout=10).json()) if url else "none"
-        examples = load_train_examples(cfg, client, tag)
+        client, tag = _client_and_tag(url, cfg)
+        try:
+            examples = train_examples(cfg, client, tag)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         tokenizer = load_tokenizer(cfg.model)
-        policy = load_policy(cfg.model, dtype=cfg.dtype)
-        trainer = Trainer(cfg, policy, tokenizer, examples, retriever=client)
+        trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
         try:
             resume_or_start(trainer, resume, init)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
             _fail(str(e))
-
-        def show(iteration: int, m: dict) -> None:
-            console.print(
-                f"iter {iteration:>4}  reward {m['reward']:.3f}  em {m['em']:.3f}  kl {m.get('kl', 0):.4f}  "
-                f"clip {m['clip_fraction']:.3f}  entropy {m['entropy']:.2f}  grad {m['grad_norm']:.2f}  "
-                f"len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
-                f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s"
-            )
-
-        trainer.run(progress=show)
+        trainer.run(progress=print_iteration)
     console.print(f"done: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/)")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="the run's config")] = Path("configs/cpu_demo.yaml"),
+    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+) -> None:
+    """The whole job on the CPU default: index, serve, evaluate the base model, SFT warm start, evaluate, EMA-PG,
+    evaluate, report (table with 95% CIs, training curves). Overrides as key=value."""
+    from emapg.demo import run_demo
+
+    cfg = _run_config(ctx, config)
+    if not (index_dir / "manifest.json").exists():
+        console.rule("building the index (once)")
+        index(out=index_dir)
+    cfg.retriever.index = index_dir
+    report = run_demo(cfg)
+    console.print(f"report: {report}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def compare(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(help="the run's config")] = Path("configs/cpu_compare.yaml"),
+    init: Annotated[Path | None, typer.Option(help="SFT checkpoint or run folder both methods start from; "
+                                              "default: run SFT first")] = None,
+    eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations")] = 10,
+    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+) -> None:
+    """GRPO (fixed reference, k3) against EMA-PG (EMA anchor, Top-k KL) from the same SFT checkpoint, same seeds
+    and budget; plots both reward curves and held-out EM. Overrides as key=value."""
+    from emapg.compare import run_compare
+
+    cfg = _run_config(ctx, config)
+    if not (index_dir / "manifest.json").exists():
+        console.rule("building the index (once)")
+        index(out=index_dir)
+    cfg.retriever.index = index_dir
+    console.print(f"report: {run_compare(cfg, init, eval_every)}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ class DatasetResult:
     em_ci95: tuple[float, float]
     cover_em: float
     f1: float
-    answered: float  # fraction with an <answer> (the valid-format rate)
+    answered: float  # fraction with an <answer>
+    well_formed: float  # ended in <answer> with no invalid action: the valid-format rate
     text_cover_em: float  # gold answer anywhere in the model's own text, tags or not (does it know, not say?)
     mean_searches: float
     mean_turns: float
@@ -69,6 +70,7 @@ def score(
         cover_em=mean([cover_exact_match(t.answer, t.golden_answers) for t in trajectories]),
         f1=mean([f1(t.answer, t.golden_answers) for t in trajectories]),
         answered=mean([t.answer is not None for t in trajectories]),
+        well_formed=mean([t.well_formed for t in trajectories]),
         text_cover_em=mean([cover_exact_match(text, t.golden_answers) for t, text in zip(trajectories, model_texts,
                                                                                          strict=True)]),
         mean_searches=mean([t.num_searches for t in trajectories]),
@@ -96,14 +98,14 @@ class EvalReport:
         lines = [
             f"model: `{self.model}`; questions: {self.subset}; wall time {self.seconds / 60:.1f} min",
             "",
-            "| dataset | mode | n | EM | EM 95% CI | cover-EM | F1 | answered | gold in text | searches | turns "
-            "| invalid | tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| dataset | mode | n | EM | EM 95% CI | cover-EM | F1 | answered | valid format | gold in text | searches "
+            "| turns | invalid | tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.results:
             lines.append(
                 f"| {r.dataset} | {r.mode} | {r.n} | {r.em:.3f} | {r.em_ci95[0]:.3f}-{r.em_ci95[1]:.3f} | "
-                f"{r.cover_em:.3f} | {r.f1:.3f} | {r.answered:.2f} | {r.text_cover_em:.2f} | {r.mean_searches:.2f} | "
+                f"{r.cover_em:.3f} | {r.f1:.3f} | {r.answered:.2f} | {r.well_formed:.2f} | {r.text_cover_em:.2f} | {r.mean_searches:.2f} | "
                 f"{r.mean_turns:.2f} | "
                 f"{r.invalid_action_rate:.2f} | {r.mean_response_tokens:.0f} |"
             )

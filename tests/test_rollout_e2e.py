@@ -94,15 +94,13 @@ def protocol_model(tiny_model, tokenizer, server_url):
     greedy decoding then walks the search and answer branches for real, through the real server."""
     import copy
 
-    from agent.protocol import prompt_ids, prompt_text
-
+    from agent.protocol import observation_ids, prompt_ids, prompt_text
     from retriever.client import format_hits
 
     with RetrieverClient(server_url) as client:
         hits = client.search(["pride and prejudice"], 3)[0]
-        agent = SearchAgent(None, tokenizer, client, RolloutConfig())  # only for its observation formatting
     turn1 = tokenizer.encode("<search> pride and prejudice </search>", add_special_tokens=False)
-    obs = agent.observation_ids(format_hits(hits))
+    obs = observation_ids(tokenizer, format_hits(hits), RolloutConfig().max_obs_tokens)
     turn2 = tokenizer.encode("<answer> Jane Austen </answer>", add_special_tokens=False)
     prompt = prompt_ids(tokenizer, prompt_text(EXAMPLES[0].question))
     ids = torch.tensor([prompt + turn1 + obs + turn2])

@@ -7,6 +7,7 @@ states to those T columns before the LM head: the prompt's V-wide logits are nev
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -34,12 +35,24 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def response_lengths(self) -> Tensor:
+        return self.attention_mask[:, self.prompt_width :].sum(-1)
+
     def select(self, rows: Tensor) -> RolloutBatch:
-        """The sub-batch of these rows (a mini- or micro-batch)."""
+        """The sub-batch of these rows (a mini- or micro-batch), cut to its longest response: the dropped columns
+        are padding after every row's end, which no earlier position attends to (causal), so nothing changes."""
+        width = self.response_ids.shape[1]
+        keep = max(int(self.response_lengths()[rows].max()), 1) if len(rows) else width
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            values[f.name] = v[rows] if isinstance(v, Tensor) else v
+            if isinstance(v, Tensor):
+                v = v[rows]
+                if v.dim() >= 2 and v.shape[1] == width:
+                    v = v[:, :keep]
+                elif v.dim() >= 2 and v.shape[1] == self.prompt_width + width:
+                    v = v[:, : self.prompt_width + keep]
+            values[f.name] = v
         return RolloutBatch(**values)
 
 
@@ -64,13 +77,22 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int) -> 
     return RolloutBatch(input_ids, attention, positions, response, loss_mask, sampler, advantages.float(), width_p)
 
 
-def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> Tensor:
+def response_logits(model, batch: RolloutBatch, temperature: float = 1.0, only: Tensor | None = None) -> Tensor:
     """(N, T, V) float32 logits predicting each response token, divided by the sampling temperature so that
-    log-probs are those of the distribution the rollout sampled from."""
+    log-probs are those of the distribution the rollout sampled from. With `only` (an (N, T) bool mask), the
+    (M, V) logits at those positions alone: the LM head never runs where nothing is learned (observations)."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
     ).last_hidden_state
     p, t = batch.prompt_width, batch.response_ids.shape[1]
-    logits = head(hidden[:, p - 1 : p - 1 + t]).float()
+    hidden = hidden[:, p - 1 : p - 1 + t]
+    logits = head(hidden if only is None else hidden[only]).float()
     return logits / temperature if temperature not in (0.0, 1.0) else logits
+
+
+def autocast(kind: str, model):
+    """The trainer's mixed precision: bf16 matmuls under torch.autocast on the model's device, or nothing."""
+    if kind == "none":
+        return nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, kind))

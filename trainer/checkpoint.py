@@ -109,6 +109,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder as given, or the latest checkpoint of a run folder."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a run folder with checkpoints/")
+    return latest
+
+
 def verify_checkpoint(path: Path) -> dict:
     """The manifest, after checking that every listed file exists with the recorded size and sha256."""
     path = Path(path)
@@ -128,6 +139,13 @@ def verify_checkpoint(path: Path) -> dict:
         if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"{path}: {name} is truncated or modified (size/sha256 differ from the manifest)")
     return manifest
+
+
+def load_policy_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Only the policy's weights of a checkpoint (or of a run folder's latest), after verifying the checkpoint."""
+    path = resolve_checkpoint(path)
+    verify_checkpoint(path)
+    return load_file(str(path / "policy.safetensors"))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

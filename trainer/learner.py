@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import RolloutBatch, response_logits
+from trainer.batch import RolloutBatch, autocast, response_logits
 from trainer.config import KLSection, TrainSection
 from trainer.ema import EmaAnchor
 from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
@@ -25,10 +25,21 @@ def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
+def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation: str = "token-mean") -> list[float]:
+    """Each micro-batch's share of the mini-batch mean (its tokens, or its sequences, over the mini-batch's), so
+    that accumulating share x micro-batch mean gives exactly the gradient of the whole mini-batch's mean."""
+    if aggregation == "token-mean":
+        counts = [float(loss_mask[r].sum()) for r in micro_rows]
+    else:
+        counts = [float((loss_mask[r].sum(-1) > 0).sum()) for r in micro_rows]
+    total = sum(counts)
+    return [c / total if total else 0.0 for c in counts]
+
+
 class Learner:
     def __init__(
         self, policy, anchor: EmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
-        temperature: float = 1.0,
+        temperature: float = 1.0, autocast_kind: str = "none",
     ):
         self.policy = policy
         self.anchor = anchor
@@ -38,29 +49,38 @@ class Learner:
         self.kl = kl
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
+        self.autocast_kind = autocast_kind
+
+    def logits(self, model, mb: RolloutBatch) -> Tensor:
+        with autocast(self.autocast_kind, model):
+            return response_logits(model, mb, self.temperature)
 
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> None:
         """Fill in pi_old's token log-probs and the anchor's values at the top-k ids, micro-batch by micro-batch:
         the anchor's full-vocabulary log-probs exist only transiently, k + 1 values per token are kept."""
         k, direction = self.kl.topk, self.kl.direction
-        old, ids, ref_topk, ref_token = [], [], [], []
+        n, width = batch.response_ids.shape
+        batch.old_logprobs = torch.zeros(n, width)
+        batch.topk_ids = torch.zeros(n, width, k, dtype=torch.long)
+        batch.ref_topk_logprobs = torch.zeros(n, width, k)
+        batch.ref_token_logprob = torch.zeros(n, width)
         self.policy.eval()
-        for rows in micro_batches(torch.arange(len(batch)), self.train.micro_batch_size):
-            mb = batch.select(rows)
-            policy_logits = response_logits(self.policy, mb, self.temperature)
-            old.append(gather_logprobs(policy_logits, mb.response_ids[..., None])[..., 0])
-            anchor_logits = response_logits(self.anchor.module, mb, self.temperature)
+        for rows in micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size):
+            mb = batch.select(rows)  # cut to its longest response: w <= width columns
+            w = mb.response_ids.shape[1]
+            policy_logits = self.logits(self.policy, mb)
+            batch.old_logprobs[rows, :w] = gather_logprobs(policy_logits, mb.response_ids[..., None])[..., 0]
+            anchor_logits = self.logits(self.anchor.module, mb)
             source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
             top = source.topk(k, dim=-1).indices if k > 0 else source.new_zeros((*source.shape[:2], 0), dtype=torch.long)
-            ids.append(top)
+            batch.topk_ids[rows, :w] = top
             anchor_values = gather_logprobs(anchor_logits, torch.cat([top, mb.response_ids[..., None]], dim=-1))
-            ref_topk.append(anchor_values[..., :-1])
-            ref_token.append(anchor_values[..., -1])
-        batch.old_logprobs = torch.cat(old)
-        batch.topk_ids = torch.cat(ids)
-        batch.ref_topk_logprobs = torch.cat(ref_topk)
-        batch.ref_token_logprob = torch.cat(ref_token)
+            batch.ref_topk_logprobs[rows, :w] = anchor_values[..., :-1]
+            batch.ref_token_logprob[rows, :w] = anchor_values[..., -1]
+        padding = batch.attention_mask[:, batch.prompt_width :] == 0  # the same zeros however rows were grouped
+        for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
+            values[padding] = 0
 
     def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
         old = mb.old_logprobs if self.kl.importance_weight else None
@@ -71,13 +91,13 @@ class Learner:
             )
         if self.kl.estimator == "exact":
             with torch.no_grad():
-                anchor_logits = response_logits(self.anchor.module, mb, self.temperature)
+                anchor_logits = self.logits(self.anchor.module, mb)
             return exact_kl(logits, anchor_logits, self.kl.direction)
         return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
 
     def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
-        logits = response_logits(self.policy, mb, self.temperature)
+        logits = self.logits(self.policy, mb)
         token_logprob = gather_logprobs(logits, mb.response_ids[..., None])[..., 0]
         advantages = broadcast_to_tokens(mb.advantages, mb.loss_mask)
         pg_loss, pg_stats = ppo_clip_loss(
@@ -102,15 +122,6 @@ class Learner:
         (loss * weight).backward()
         return {k: v * weight for k, v in stats.items()}
 
-    def _weights(self, mini: RolloutBatch, micro_rows: list[Tensor]) -> list[float]:
-        """Each micro-batch's share of the mini-batch mean, so accumulated gradients equal the full mini-batch's."""
-        if self.train.aggregation == "token-mean":
-            counts = [float(mini.loss_mask[r].sum()) for r in micro_rows]
-        else:
-            counts = [float((mini.loss_mask[r].sum(-1) > 0).sum()) for r in micro_rows]
-        total = sum(counts)
-        return [c / total if total else 0.0 for c in counts]
-
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
         assert batch.old_logprobs is not None, "call prepare() first"
@@ -122,8 +133,10 @@ class Learner:
             for mini_rows in micro_batches(order, self.train.mini_batch_size):
                 mini = batch.select(mini_rows)
                 self.optimizer.zero_grad(set_to_none=True)
-                micro_rows = micro_batches(torch.arange(len(mini)), self.train.micro_batch_size)
-                for rows, weight in zip(micro_rows, self._weights(mini, micro_rows), strict=True):
+                # Length-sorted micro-batches pad less (select() cuts each to its longest response); the
+                # accumulated gradient is the same sum in any order.
+                micro_rows = micro_batches(mini.response_lengths().argsort(), self.train.micro_batch_size)
+                for rows, weight in zip(micro_rows, micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation), strict=True):
                     if weight == 0.0:
                         continue
                     for key, value in self.micro_loss(mini.select(rows), weight).items():

@@ -34,6 +34,7 @@ from trainer.checkpoint import (
     check_compatible,
     latest_checkpoint,
     load_checkpoint,
+    load_policy_weights,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -139,7 +140,8 @@ class Trainer:
         t = cfg.train
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, t.warmup_steps)
-        self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature)
+        self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
+                               cfg.autocast)
         self.sampler = PromptSampler(examples, cfg.seed)
         self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
         r = cfg.rollout
@@ -169,8 +171,8 @@ class Trainer:
         self.iteration = ckpt.iteration
 
     def init_from(self, path: Path) -> None:
-        """Start RL from another run's checkpoint (e.g. SFT): its policy, and the anchor set to that policy."""
-        self.policy.load_state_dict(load_checkpoint(path).policy)
+        """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
+        self.policy.load_state_dict(load_policy_weights(path))
         self.anchor = EmaAnchor(self.policy, dtype=getattr(torch, self.cfg.ema.dtype))
         self.learner.anchor = self.anchor
 
@@ -207,11 +209,13 @@ class Trainer:
         return {**rollout_metrics(trajs, scores), **stats, "anchor_distance": self.anchor.distance(self.policy),
                 **timings}
 
-    def run(self, progress: Callable[[int, dict], None] | None = None) -> list[dict[str, float]]:
+    def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
+        """Train to iteration `until` (default: the configured total), so a caller can pause to evaluate."""
         logger = RunLogger(self.cfg.run_dir)
         history = []
+        stop = min(until or self.cfg.train.iterations, self.cfg.train.iterations)
         try:
-            while self.iteration < self.cfg.train.iterations:
+            while self.iteration < stop:
                 metrics = self.step()
                 logger.log(self.iteration, metrics)
                 history.append(metrics)

@@ -7,14 +7,9 @@ from agent.trajectory import Trajectory
 from eval.metrics import exact_match
 
 
-def well_formed(traj: Trajectory) -> bool:
-    """Ended in an <answer> with no invalid action on the way."""
-    return bool(traj.turns) and traj.turns[-1].kind == "answer" and traj.num_invalid == 0
-
-
 def reward(traj: Trajectory, format_bonus: float = 0.0) -> tuple[float, float, float]:
     """(reward, em, format) with reward = em + format_bonus * well_formed. The bonus is < 1 (config-checked), so
     a correct answer always outscores a well-formed wrong one."""
     em = exact_match(traj.answer, traj.golden_answers)
-    fmt = float(well_formed(traj))
+    fmt = float(traj.well_formed)
     return em + format_bonus * fmt, em, fmt

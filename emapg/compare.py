@@ -1,0 +1,124 @@
+"""`make compare`: GRPO (fixed reference, k3 KL) against EMA-PG (EMA anchor, Top-k KL) from one SFT checkpoint.
+
+Both variants start from the same SFT weights with the same seeds, data order and budget; the only differences
+are `ema.tau`/`ema.period` and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared) and
+every `eval_every` iterations. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from emapg.demo import pooled, read_jsonl
+from emapg.workflow import (
+    build_sft_data,
+    console,
+    eval_examples,
+    index_tag,
+    print_iteration,
+    run_eval,
+    run_sft,
+    train_examples,
+)
+
+# The two methods differ only in these keys; everything else comes from the run's config.
+VARIANTS = {
+    "GRPO": {"ema": {"tau": 1.0}, "kl": {"estimator": "k3"}},
+    "EMA-PG": {"ema": {}, "kl": {"estimator": "topk"}},
+}
+
+
+def variant_config(cfg, name: str):
+    from trainer.config import TrainConfig
+
+    raw = cfg.model_dump()
+    for section, values in VARIANTS[name].items():
+        raw[section] = {**raw[section], **values}
+    raw["name"] = f"{cfg.name}/{name.lower()}"
+    return TrainConfig.model_validate(raw)
+
+
+def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, metrics in curves.items():
+        it = [m["iteration"] for m in metrics]
+        ax_r.plot(it, [m["reward"] for m in metrics], alpha=0.35)
+        window = 5  # a trailing mean: single iterations of 16 rollouts are noisy
+        smooth = [sum(m["reward"] for m in metrics[max(0, i - window + 1) : i + 1]) / min(window, i + 1)
+                  for i in range(len(metrics))]
+        ax_r.plot(it, smooth, label=f"{name} (mean of {window})")
+        points = held_out[name]
+        ax_e.errorbar([i for i, _ in points], [p["em"] for _, p in points],
+                      yerr=[[p["em"] - p["em_low"] for _, p in points], [p["em_high"] - p["em"] for _, p in points]],
+                      marker="o", capsize=3, label=name)
+    ax_r.set(title="training reward (rollouts)", xlabel="iteration")
+    ax_e.set(title="held-out EM (95% CI)", xlabel="iteration", ylim=(0, None))
+    ax_r.legend()
+    ax_e.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
+    import httpx
+
+    from agent.policy import load_policy, load_tokenizer
+    from retriever.client import RetrieverClient
+    from retriever.process import running_server
+    from trainer.checkpoint import load_policy_weights
+    from trainer.loop import Trainer, seed_everything
+
+    out = cfg.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    begin = time.perf_counter()
+    held_out: dict[str, list[tuple[int, dict]]] = {}
+    with running_server(cfg.retriever.index, log=out / "server.log") as url, \
+            RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
+        tag = index_tag(httpx.get(url + "/health", timeout=10).json())
+        train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
+        tokenizer = load_tokenizer(cfg.model)
+        if init is None:  # no SFT checkpoint given: make one, shared by both variants
+            console.rule("SFT warm start")
+            init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
+                           build_sft_data(cfg, client, tokenizer, train))
+        sft_weights = load_policy_weights(init)
+        policy = load_policy(cfg.model, dtype=cfg.dtype)
+        policy.load_state_dict(sft_weights)
+        start = pooled(run_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft", "held-out"))
+        for name in VARIANTS:
+            console.rule(name)
+            vcfg = variant_config(cfg, name)
+            seed_everything(vcfg.seed)
+            policy.load_state_dict(sft_weights)
+            trainer = Trainer(vcfg, policy, tokenizer, train, retriever=client)  # anchor starts at SFT
+            held_out[name] = [(0, start)]
+            while trainer.iteration < vcfg.train.iterations:
+                trainer.run(progress=print_iteration, until=trainer.iteration + eval_every)
+                report = run_eval(vcfg, policy, tokenizer, client, test, f"{name} @ {trainer.iteration}",
+                                  vcfg.run_dir / f"eval-{trainer.iteration:04d}", "held-out")
+                held_out[name].append((trainer.iteration, pooled(report)))
+                console.print(f"{name} iteration {trainer.iteration}: held-out EM {held_out[name][-1][1]['em']:.3f}")
+    curves = {name: read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl") for name in VARIANTS}
+    lines = [f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
+             f"{(time.perf_counter() - begin) / 60:.0f} min.", "",
+             "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",
+             "|---|---|---|---|---|---|"]
+    for name, points in held_out.items():
+        last = curves[name][-5:]
+        for iteration, p in points:
+            tail = f"{sum(m['reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
+            lines.append(f"| {name} | {iteration} | {p['em']:.3f} | {p['em_low']:.3f}-{p['em_high']:.3f} | "
+                         f"{p['well_formed']:.2f} | {tail} |")
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out}, indent=2))
+    plot(curves, held_out, out / "compare.png")
+    print("\n".join(lines))
+    return out / "compare.md"

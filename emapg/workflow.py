@@ -1,0 +1,137 @@
+"""The steps the CLI commands and the demo share: question sets, demonstrations + SFT, EMA-PG, evaluation.
+
+Each step takes the run's TrainConfig and an open retriever client, so `emapg sft`, `emapg train`, `emapg eval`
+and `emapg demo` all run exactly the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from rich.console import Console
+
+from data.qa import QAExample
+
+console = Console()
+ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
+
+
+def index_tag(health: dict) -> str:
+    """A name for the served index, recorded with every answerable subset made from it."""
+    encoder = (health.get("encoder") or "bm25").split("/")[-1]
+    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}-{health['num_docs']}"
+
+
+def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:
+    from data.qa import load_flashrag, load_packaged
+
+    out = {}
+    for name in names:
+        if flashrag_root is None and name in ("nq", "triviaqa"):
+            out[name] = load_packaged(name, split)  # type: ignore[arg-type]
+        else:
+            out[name] = load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
+    return out
+
+
+def answerable(examples: list[QAExample], client, k: int, tag: str, name: str) -> list[QAExample]:
+    """The examples whose gold answer is in their top-k passages, cached per index under artifacts/subsets/."""
+    from eval.answerable import cached_answerable_subset
+
+    def passages(questions: list[str]) -> list[list[str]]:
+        return [[h.contents for h in hits] for hits in client.search(questions, k)]
+
+    path = ARTIFACTS / "subsets" / tag / f"{name}-k{k}.jsonl"
+    chosen = cached_answerable_subset(examples, passages, k, tag, path)
+    console.print(f"{name}: {chosen.count:,} of {chosen.total:,} answerable (top-{k} of {tag})")
+    return chosen.examples
+
+
+def split_spec(spec: str, default_split: str) -> tuple[str, str]:
+    name, _, split = spec.partition(":")
+    return name, split or default_split
+
+
+def question_sets(cfg, specs: list[str], default_split: str, client, tag: str) -> dict[str, list[QAExample]]:
+    """Each `dataset:split` of specs: its first data.scan_limit questions, then the answerable subset if asked."""
+    if cfg.data.subset == "answerable" and client is None:
+        raise ValueError("data.subset=answerable needs a retriever (rollout.mode=direct has none): set data.subset=full")
+    out = {}
+    for spec in specs:
+        name, split = split_spec(spec, default_split)
+        data = load_datasets([name], split, cfg.data.flashrag_root)[name][: cfg.data.scan_limit]
+        if cfg.data.subset == "answerable":
+            scanned = f"-first{cfg.data.scan_limit}" if cfg.data.scan_limit else ""
+            data = answerable(data, client, cfg.data.answerable_k, tag, f"{name}-{split}{scanned}")
+        out[f"{name}:{split}"] = data
+    return out
+
+
+def train_examples(cfg, client, tag: str) -> list[QAExample]:
+    return [ex for data in question_sets(cfg, cfg.data.train, "dev", client, tag).values() for ex in data]
+
+
+def eval_examples(cfg, client, tag: str) -> dict[str, list[QAExample]]:
+    """Per held-out set, its first data.eval_limit questions (answerable ones if asked), keyed by dataset name."""
+    sets = question_sets(cfg, cfg.data.eval, "test", client, tag)
+    return {key.partition(":")[0]: data[: cfg.data.eval_limit] for key, data in sets.items()}
+
+
+def build_sft_data(cfg, client, tokenizer, examples: list[QAExample]):
+    """Demonstrations from a seeded shuffle of the train questions (so every train set is represented), saved
+    beside the SFT checkpoints for `emapg show`."""
+    from agent.trajectory import save_jsonl
+    from trainer.demonstrations import build_demonstrations
+
+    shuffled = random.Random(cfg.seed).sample(examples, len(examples))
+    demos, counts = build_demonstrations(shuffled, client, tokenizer, topk=cfg.retriever.topk,
+                                         max_obs_tokens=cfg.rollout.max_obs_tokens, limit=cfg.sft.examples)
+    save_jsonl(demos, cfg.sft_dir / "demonstrations.jsonl")
+    (cfg.sft_dir / "demonstrations.json").write_text(json.dumps(counts, indent=2))
+    console.print(f"demonstrations: {counts}")
+    return demos
+
+
+def run_sft(cfg, policy, tokenizer, demos) -> Path:
+    from rich.progress import Progress
+
+    from trainer.sft import SFTTrainer
+
+    trainer = SFTTrainer(cfg, policy, demos, tokenizer.pad_token_id or 0)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("SFT", total=trainer.steps)
+
+        def show(step: int, m: dict) -> None:
+            bar.update(task, completed=step, description=f"SFT loss {m['sft_loss']:.3f}")
+
+        path = trainer.run(progress=show)
+    console.print(f"SFT: {trainer.steps} steps on {len(demos)} demonstrations -> {path}")
+    return path
+
+
+def print_iteration(iteration: int, m: dict) -> None:
+    console.print(
+        f"iter {iteration:>4}  reward {m['reward']:.3f}  em {m['em']:.3f}  format {m['format']:.2f}  "
+        f"kl {m.get('kl', 0):.4f}  clip {m['clip_fraction']:.3f}  entropy {m['entropy']:.2f}  "
+        f"grad {m['grad_norm']:.2f}  len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
+        f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s"
+    )
+
+
+def run_eval(cfg, policy, tokenizer, client, datasets: dict[str, list[QAExample]], name: str, out_dir: Path,
+             subset: str):
+    """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings."""
+    from agent.hf_backend import TransformersBackend
+    from agent.rollout import RolloutConfig
+    from eval.harness import evaluate
+
+    r = cfg.rollout
+    config = RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                           max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk)
+    backend = TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
+    return evaluate(backend, tokenizer, client, datasets, ["agent"], config, model_name=name, subset=subset,
+                    out_dir=out_dir, batch_size=r.batch_size)
+

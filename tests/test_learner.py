@@ -1,0 +1,86 @@
+"""The learner's batching is exact: micro-batching (with each micro-batch cut to its longest response) changes
+neither pi_old / anchor values nor the accumulated gradient, against the whole batch in one pass."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from agent.trajectory import Trajectory
+from trainer.batch import collate, response_logits
+from trainer.config import load_config
+from trainer.ema import EmaAnchor
+from trainer.kl import gather_logprobs
+from trainer.learner import Learner
+
+
+def ragged_trajectories(vocab: int, n: int = 6) -> list[Trajectory]:
+    """Prompts and responses of different lengths; responses interleave model tokens and masked spans."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (3 + i % 3,), generator=g).tolist()
+        traj = Trajectory(uid=f"g{i // 2}#{i % 2}", group_id=f"g{i // 2}", question="q", golden_answers=["a"],
+                          prompt_ids=prompt)
+        for span in range(1 + i % 3):
+            ids = torch.randint(0, vocab, (2 + (i + span) % 4,), generator=g).tolist()
+            traj.append(ids, model=True, logprobs=[-1.0] * len(ids))
+            if span < i % 3:
+                traj.append(torch.randint(0, vocab, (3,), generator=g).tolist(), model=False)
+        out.append(traj)
+    return out
+
+
+def make_learner(model, micro: int, aggregation: str, estimator: str = "topk") -> Learner:
+    cfg = load_config(overrides=[
+        "train.prompts_per_iteration=3", "train.rollouts_per_prompt=2", "train.mini_batch_size=6",
+        f"train.micro_batch_size={micro}", f"train.aggregation={aggregation}", "train.grad_clip=1e9",
+        f"kl.estimator={estimator}", "kl.topk=4", "kl.beta=0.5",
+    ])
+    anchor_model = copy.deepcopy(model)
+    with torch.no_grad():  # an anchor that differs from the policy, so the KL term has a gradient
+        for p in anchor_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    anchor = EmaAnchor(anchor_model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the update leaves the gradient to inspect
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return Learner(model, anchor, optimizer, scheduler, cfg.train, cfg.kl)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("estimator", ["topk", "k3"])
+def test_micro_batching_gives_the_whole_batch_gradient(tiny_model, tokenizer, aggregation, estimator):
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    grads, prepared = [], []
+    for micro in (6, 1, 3):
+        model = copy.deepcopy(tiny_model)
+        torch.manual_seed(0)
+        learner = make_learner(model, micro, aggregation, estimator)
+        batch = collate(trajs, advantages, tokenizer.pad_token_id)
+        learner.prepare(batch)
+        stats = learner.update(batch, torch.Generator().manual_seed(0))
+        assert stats["optimizer_steps"] == 1
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        prepared.append((batch.old_logprobs, batch.ref_token_logprob, batch.topk_ids, batch.ref_topk_logprobs))
+    for other in grads[1:]:
+        torch.testing.assert_close(other, grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+    assert grads[0].abs().sum() > 0
+    for other in prepared[1:]:
+        for a, b in zip(other, prepared[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_matches_one_uncut_forward_pass(tiny_model, tokenizer):
+    trajs = ragged_trajectories(len(tokenizer))
+    model = copy.deepcopy(tiny_model)
+    learner = make_learner(model, 2, "token-mean")
+    batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
+    learner.prepare(batch)
+    with torch.no_grad():
+        full = gather_logprobs(response_logits(model, batch), batch.response_ids[..., None])[..., 0]
+    mask = batch.loss_mask
+    torch.testing.assert_close(batch.old_logprobs[mask], full[mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(batch.old_logprobs[batch.attention_mask[:, batch.prompt_width :] == 0] == 0)

@@ -1,0 +1,177 @@
+"""The SFT warm start: demonstrations from the real server, the masked SFT loss, SFT training, `--init`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agent.protocol import observation_ids, prompt_ids, prompt_text
+from agent.trajectory import Trajectory, load_jsonl
+from data.qa import QAExample
+from eval.metrics import normalize_answer
+from retriever.client import RetrieverClient, format_hits
+from retriever.docstore import Hit
+from trainer.config import load_config
+from trainer.demonstrations import build_demonstrations, gold_in_hits, keyword_query
+from trainer.sft import SFTTrainer, sft_loss
+
+MAX_OBS = 200
+
+
+def example(i: int, question: str, answer: str) -> QAExample:
+    return QAExample(f"toy/train/{i}", "toy", "train", question, (answer,), "test")
+
+
+@pytest.fixture(scope="module")
+def questions(small_corpus) -> list[QAExample]:
+    """Questions the small corpus answers (gold = a page title, shown in the top documents), one it cannot."""
+    titles = [json.loads(line)["contents"].split("\n")[0].strip('"') for line in small_corpus.read_text().splitlines()]
+    out = [example(0, "who wrote pride and prejudice?", "Jane Austen")]
+    out += [example(i, f"what is {title}?", title) for i, title in enumerate(titles[1:9], 1)]
+    return out + [example(99, "what is the qwzx plugh number?", "xyzzy frobnicate")]
+
+
+@pytest.fixture(scope="module")
+def demos(questions, server_url, tokenizer):
+    with RetrieverClient(server_url) as client:
+        return build_demonstrations(questions, client, tokenizer, topk=3, max_obs_tokens=MAX_OBS)
+
+
+def spans(traj):
+    """(masked, decoded text) runs of the response, in order."""
+    out, start = [], 0
+    for i in range(1, len(traj.response_ids) + 1):
+        if i == len(traj.response_ids) or traj.loss_mask[i] != traj.loss_mask[start]:
+            out.append((traj.loss_mask[start] == 0, traj.response_ids[start:i]))
+            start = i
+    return out
+
+
+def test_keyword_query_drops_question_words():
+    assert keyword_query("Who wrote the novel Pride and Prejudice?") == "wrote novel Pride Prejudice"
+
+
+def test_gold_must_be_in_the_shown_part_of_its_document():
+    hits = [Hit("1", '"A"\nnothing here', 1.0), Hit("2", '"B"\nthe answer is Paris', 0.5)]
+    shown = format_hits(hits)
+    assert gold_in_hits(["paris"], hits, shown) == (2, "paris")
+    assert gold_in_hits(["paris"], hits, shown[: shown.index("Doc 2")]) is None  # truncated away
+    assert gold_in_hits(["London"], hits, shown) is None
+
+
+def test_demonstrations_keep_answers_out_of_masks_and_observations_in(demos, questions, tokenizer, server_url):
+    trajectories, counts = demos
+    assert counts["demonstrations"] == len(trajectories) >= 8
+    assert counts["dropped_answer_not_shown"] >= 1  # the unanswerable question
+    assert all(t.group_id != "toy/train/99" for t in trajectories)
+    for traj in trajectories:
+        ex = next(q for q in questions if q.id == traj.group_id)
+        assert traj.prompt_ids == prompt_ids(tokenizer, prompt_text(ex.question))
+        runs = spans(traj)
+        assert [masked for masked, _ in runs] == [False, True] * traj.num_searches + [False]
+        observations = [tokenizer.decode(ids) for masked, ids in runs if masked]
+        model_text = "".join(tokenizer.decode(ids) for masked, ids in runs if not masked)
+        # Observations: whole <information> blocks, nothing of the model's own text; the answer: model tokens only.
+        assert all(o.startswith("\n\n<information>") and o.endswith("</information>\n\n") for o in observations)
+        assert "<answer>" not in "".join(observations) and "<information>" not in model_text
+        assert model_text.endswith(f"<answer> {traj.answer} </answer>")
+        assert traj.answer in ex.golden_answers and traj.well_formed
+        # The answer is readable in the last observation; a first search of two missed it.
+        assert normalize_answer(traj.answer) in normalize_answer(observations[-1])
+        if traj.num_searches == 2:
+            assert normalize_answer(traj.answer) not in normalize_answer(observations[0])
+    # Observation ids are exactly what a rollout appends for the same search.
+    first = trajectories[0]
+    with RetrieverClient(server_url) as client:
+        hits = client.search([first.turns[0].query], 3)[0]
+    turn = first.turns[0]
+    assert first.response_ids[turn.end : turn.observation_end] == observation_ids(tokenizer, format_hits(hits), MAX_OBS)
+
+
+def test_sft_loss_is_the_mean_nll_of_the_model_tokens_only(tiny_model, tokenizer):
+    from trainer.batch import collate, response_logits
+
+    trajs = [Trajectory(uid="g#0", group_id="g", question="q", golden_answers=["a"], prompt_ids=[5, 6, 7])]
+    trajs[0].append([11, 12], model=True, logprobs=[0.0, 0.0])
+    trajs[0].append([13, 14, 15], model=False)
+    trajs[0].append([16], model=True, logprobs=[0.0])
+    batch = collate(trajs, torch.zeros(1), tokenizer.pad_token_id)
+    model = copy.deepcopy(tiny_model)
+    loss = sft_loss(response_logits(model, batch, only=batch.loss_mask), batch.response_ids[batch.loss_mask])
+    # Reference: one full forward pass, the next-token NLL at the three model tokens only.
+    ids = torch.tensor([[5, 6, 7, 11, 12, 13, 14, 15, 16]])
+    logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    reference = -(logp[2, 11] + logp[3, 12] + logp[7, 16]) / 3
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
+
+
+def sft_config(tmp_path, *overrides):
+    return load_config(overrides=[
+        f"out_dir={tmp_path}", "name=run", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.lr=3e-3",
+        "sft.warmup_steps=0", *overrides,
+    ])
+
+
+def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_model, tokenizer, tmp_path):
+    from trainer.batch import collate, response_logits
+    from trainer.loop import Trainer
+
+    fixed = demos[0][:4]
+    cfg = sft_config(tmp_path, "sft.epochs=60")
+    policy = copy.deepcopy(tiny_model)
+
+    def loss_on_fixed_batch() -> float:
+        batch = collate(fixed, torch.zeros(4), tokenizer.pad_token_id)
+        with torch.no_grad():
+            logits = response_logits(policy, batch, only=batch.loss_mask)
+            return float(sft_loss(logits, batch.response_ids[batch.loss_mask]))
+
+    before = loss_on_fixed_batch()
+    checkpoint = SFTTrainer(cfg, policy, fixed, tokenizer.pad_token_id).run()
+    after = loss_on_fixed_batch()
+    assert after < 0.5 * before, (before, after)
+
+    # --init: a fresh policy takes the SFT weights, and so does the anchor.
+    rl = Trainer(load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.mode=direct"]), copy.deepcopy(tiny_model), tokenizer,
+                 [example(0, "q", "a")])
+    rl.init_from(cfg.sft_dir)  # a run folder: its latest checkpoint
+    assert checkpoint.parent == cfg.sft_dir / "checkpoints"
+    for name, value in policy.state_dict().items():
+        torch.testing.assert_close(rl.policy.state_dict()[name], value, rtol=0, atol=0)
+    for name, value in rl.anchor.module.state_dict().items():
+        torch.testing.assert_close(value, policy.state_dict()[name].float(), rtol=0, atol=0)
+
+
+def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir, tmp_path):
+    """`emapg sft` then `emapg train --init` through the real server, with a FlashRAG-format question file."""
+    root = tmp_path / "flashrag" / "bamboogle"
+    root.mkdir(parents=True)
+    (root / "test.jsonl").write_text("".join(
+        json.dumps({"question": q.question, "golden_answers": list(q.golden_answers)}) + "\n" for q in questions))
+    common = [
+        f"model={tiny_model_dir}", f"out_dir={tmp_path / 'runs'}", "name=e2e", f"retriever.url={server_url}",
+        f"data.flashrag_root={tmp_path / 'flashrag'}", "data.train=[bamboogle:test]", "data.subset=full",
+        "rollout.max_turns=1", "rollout.max_tokens_per_turn=4", "rollout.max_obs_tokens=64",
+        "sft.examples=4", "sft.batch_size=2", "sft.micro_batch_size=1",
+        "train.iterations=1", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
+        "train.mini_batch_size=4", "train.micro_batch_size=2",
+    ]
+    env = {"EMAPG_ARTIFACTS": str(tmp_path / "artifacts"), "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, "-m", "emapg.cli"]
+    sft = subprocess.run([*run, "sft", *common], capture_output=True, text=True, env=env, timeout=300)
+    assert sft.returncode == 0, sft.stdout + sft.stderr
+    run_dir = tmp_path / "runs" / "e2e"
+    assert len(list(load_jsonl(run_dir / "sft" / "demonstrations.jsonl"))) == 4
+    assert list((run_dir / "sft" / "checkpoints").glob("iter-000002"))
+    train = subprocess.run([*run, "train", "--init", str(run_dir / "sft"), *common], capture_output=True, text=True,
+                           env=env, timeout=300)
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert list((run_dir / "checkpoints").glob("iter-000001"))
+    # A bad override is refused, naming the field.
+    bad = subprocess.run([*run, "sft", *common, "sft.lrr=1"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "sft.lrr" in bad.stdout
