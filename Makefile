@@ -6,11 +6,13 @@ STAMP := .venv/.installed-stamp
 INDEX ?= artifacts/indexes/wiki-minilm-flat
 PORT ?= 8000
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
+COMPARE_ARGS ?=
 # 128 tokens per turn, not the paper's 500: the base SmolLM2 rarely closes a tag and a few rambling rows per batch
 # then run to the limit every turn; at 500, agent mode on 200 questions takes over an hour on 2 cores.
 EVAL_ARGS ?= --max-tokens-per-turn 128
 
-.PHONY: setup test demo index serve eval bench clean
+.PHONY: setup test demo compare index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -30,8 +32,13 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The main job (configs/cpu_demo.yaml): index, serve, evaluate base, SFT, evaluate, EMA-PG, evaluate, report.
 demo: setup
-	$(PY) -m emapg.cli demo --index $(INDEX)
+	$(PY) -m emapg.cli demo --index $(INDEX) $(DEMO_ARGS)
+
+# GRPO against EMA-PG from one SFT checkpoint (configs/cpu_compare.yaml), about 2 hours on 2 cores.
+compare: setup
+	$(PY) -m emapg.cli compare --index $(INDEX) $(COMPARE_ARGS)
 
 index: setup
 	$(PY) -m emapg.cli index --out $(INDEX)

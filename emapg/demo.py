@@ -85,7 +85,7 @@ def plot_curves(rl_metrics: list[dict], sft_metrics: list[dict], path: Path) -> 
     axes[1].set(title="EMA-PG reward (rollouts)", xlabel="iteration")
     axes[1].legend()
     axes[2].plot(it, [m.get("kl", 0.0) for m in rl_metrics], marker="o")
-    axes[2].set(title="KL(policy || EMA anchor)", xlabel="iteration")
+    axes[2].set(title="KL estimate, policy to EMA anchor", xlabel="iteration")
     axes[3].plot(it, [m["response_tokens"] for m in rl_metrics], marker="o")
     axes[3].set(title="model tokens per trajectory", xlabel="iteration")
     fig.tight_layout()
