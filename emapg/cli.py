@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ PACKAGED_CORPUS = ARTIFACTS / "corpus" / "wiki-summaries.jsonl"
 DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
@@ -275,6 +275,21 @@ def _client_and_tag(url: str | None, cfg):
     return client, index_tag(httpx.get(url + "/health", timeout=10).json())
 
 
+def _train_questions(cfg, client, tag: str) -> list:
+    from emapg.workflow import train_examples
+
+    try:
+        return train_examples(cfg, client, tag)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+def _ensure_index(index_dir: Path) -> None:
+    if not (index_dir / "manifest.json").exists():
+        console.rule("building the index (once)")
+        index(out=index_dir)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sft(
     ctx: typer.Context,
@@ -283,7 +298,7 @@ def sft(
     """Warm start: build protocol demonstrations with the real retriever, then supervised training on their model
     tokens. Writes <run>/sft/checkpoints/ for `emapg train --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import build_sft_data, run_sft, train_examples
+    from emapg.workflow import build_sft_data, run_sft
     from trainer.loop import retriever_context
 
     cfg = _run_config(ctx, config)
@@ -291,10 +306,7 @@ def sft(
         _fail("sft builds search demonstrations: rollout.mode must be agent")
     with retriever_context(cfg) as url:
         client, tag = _client_and_tag(url, cfg)
-        try:
-            examples = train_examples(cfg, client, tag)
-        except (ValueError, FileNotFoundError) as e:
-            _fail(str(e))
+        examples = _train_questions(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
         demos = build_sft_data(cfg, client, tokenizer, examples)
     if not demos:
@@ -313,17 +325,14 @@ def train(
 ) -> None:
     """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import print_iteration, train_examples
+    from emapg.workflow import print_iteration
     from trainer.checkpoint import CheckpointError
     from trainer.loop import Trainer, resume_or_start, retriever_context
 
     cfg = _run_config(ctx, config)
     with retriever_context(cfg) as url:
         client, tag = _client_and_tag(url, cfg)
-        try:
-            examples = train_examples(cfg, client, tag)
-        except (ValueError, FileNotFoundError) as e:
-            _fail(str(e))
+        examples = _train_questions(cfg, client, tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         tokenizer = load_tokenizer(cfg.model)
         trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
@@ -346,9 +355,7 @@ def demo(
     from emapg.demo import run_demo
 
     cfg = _run_config(ctx, config)
-    if not (index_dir / "manifest.json").exists():
-        console.rule("building the index (once)")
-        index(out=index_dir)
+    _ensure_index(index_dir)
     cfg.retriever.index = index_dir
     report = run_demo(cfg)
     console.print(f"report: {report}")
@@ -368,9 +375,7 @@ def compare(
     from emapg.compare import run_compare
 
     cfg = _run_config(ctx, config)
-    if not (index_dir / "manifest.json").exists():
-        console.rule("building the index (once)")
-        index(out=index_dir)
+    _ensure_index(index_dir)
     cfg.retriever.index = index_dir
     console.print(f"report: {run_compare(cfg, init, eval_every)}")
 

@@ -1,0 +1,35 @@
+"""The demo's pooled table and the comparison's variants."""
+
+from __future__ import annotations
+
+from emapg.compare import VARIANTS, variant_config
+from emapg.demo import pooled, report_markdown
+from eval.harness import DatasetResult, EvalReport, wilson_interval
+from trainer.config import load_config
+
+
+def result(dataset: str, n: int, em: float) -> DatasetResult:
+    return DatasetResult(dataset=dataset, mode="agent", n=n, em=em, em_ci95=wilson_interval(em * n, n), cover_em=em,
+                         f1=em, answered=1.0, well_formed=0.5, text_cover_em=em, mean_searches=1.0, mean_turns=2.0,
+                         invalid_action_rate=0.0, mean_response_tokens=50.0, seconds=1.0)
+
+
+def test_pooled_row_weights_datasets_by_their_questions():
+    report = EvalReport(model="m", subset="s", results=[result("nq", 10, 0.5), result("triviaqa", 30, 0.1)])
+    row = pooled(report)
+    assert row["n"] == 40 and abs(row["em"] - 8 / 40) < 1e-12
+    assert (row["em_low"], row["em_high"]) == wilson_interval(8, 40)
+    table = report_markdown({"SFT": report}, {"total": 60.0}, "s")
+    assert "| SFT | 40 | 0.200 |" in table and "| SFT | nq | 10 | 0.500 |" in table
+
+
+def test_compare_variants_differ_only_in_anchor_and_estimator(tmp_path):
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}"])
+    grpo, emapg = (variant_config(cfg, name).model_dump() for name in VARIANTS)
+    assert grpo["ema"]["tau"] == 1.0 and grpo["kl"]["estimator"] == "k3"
+    assert emapg["ema"]["tau"] == cfg.ema.tau < 1 and emapg["kl"]["estimator"] == "topk"
+    for key in grpo:
+        if key not in ("ema", "kl", "name"):
+            assert grpo[key] == emapg[key] == cfg.model_dump()[key], key
+    assert {k: v for k, v in grpo["kl"].items() if k != "estimator"} == \
+        {k: v for k, v in emapg["kl"].items() if k != "estimator"}
