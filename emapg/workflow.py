@@ -22,7 +22,9 @@ ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
 def index_tag(health: dict) -> str:
     """A name for the served index, recorded with every answerable subset made from it."""
     encoder = (health.get("encoder") or "bm25").split("/")[-1]
-    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}-{health['num_docs']}"
+    dtype = health.get("passage_dtype")
+    precision = f"-{dtype}" if dtype not in (None, "float32") else ""  # fp32 tags predate this field
+    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}{precision}-{health['num_docs']}"
 
 
 def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:

@@ -53,6 +53,28 @@ def _load_path(source: str) -> str:
     return source
 
 
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether bf16 matmuls run natively here: a CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or AMX
+    (read from /proc/cpuinfo; elsewhere, False). Without them bf16 is emulated and slower than fp32."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> Literal["float32", "bfloat16"]:
+    """"auto": bfloat16 where it is native (about 2x faster passage encoding, recall@10 0.99 against fp32 on the
+    packaged corpus, docs/benchmarks.md), else float32."""
+    if dtype == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
+    return dtype  # type: ignore[return-value]
+
+
 class Encoder:
     """A loaded sentence-transformers model. Outputs float32, L2-normalised rows (inner product = cosine)."""
 

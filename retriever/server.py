@@ -164,6 +164,7 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
             "num_docs": m.corpus.num_docs,
             "index_factory": m.index_factory,
             "encoder": m.encoder.name if m.encoder else None,
+            "passage_dtype": m.encoder.passage_dtype if m.encoder else None,
             "batching": settings.batching,
             "cache_entries": len(searcher.cache),
         }

@@ -72,3 +72,21 @@ def test_gpu_flag_without_faiss_gpu_is_a_clear_error():
         pytest.skip("this machine has GPUs for faiss")
     with pytest.raises(RuntimeError, match="needs faiss-gpu"):
         to_all_gpus(new_faiss_index(8, "Flat"))
+
+
+def test_auto_dtype_is_bf16_only_where_native_and_bad_names_are_refused(monkeypatch):
+    import pytest
+
+    from emapg.workflow import index_tag
+    from retriever import encoder
+
+    monkeypatch.setattr(encoder, "native_bf16", lambda device="cpu": True)
+    assert encoder.resolve_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(encoder, "native_bf16", lambda device="cpu": False)
+    assert encoder.resolve_dtype("auto") == "float32" and encoder.resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="float16"):
+        encoder.resolve_dtype("float16")
+    # Answerable subsets are cached per index tag: a bf16-encoded index must not share an fp32 index's cache.
+    health = {"kind": "dense", "encoder": "x/MiniLM", "index_factory": "Flat", "num_docs": 5}
+    assert index_tag({**health, "passage_dtype": "float32"}) == index_tag(health) == "dense-MiniLM-Flat-5"
+    assert index_tag({**health, "passage_dtype": "bfloat16"}) == "dense-MiniLM-Flat-bfloat16-5"

@@ -26,7 +26,7 @@ class RolloutBatch:
     sampler_logprobs: Tensor  # (N, T) what the rollout engine reported
     advantages: Tensor  # (N,)
     prompt_width: int
-    # Filled in by Learner.prepare, after rollout and before any update:
+    # Filled in by Learner.prepare, after rollout and before any update (at loss_mask positions; 0 elsewhere):
     old_logprobs: Tensor | None = None  # (N, T) pi_old recomputed by the trainer
     topk_ids: Tensor | None = None  # (N, T, k) top-k of pi_old (reverse KL) or of the anchor (forward)
     ref_topk_logprobs: Tensor | None = None  # (N, T, k) the anchor's log-probs at topk_ids
@@ -96,3 +96,11 @@ def autocast(kind: str, model):
     if kind == "none":
         return nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, kind))
+
+
+def scatter_tokens(values: Tensor, mask: Tensor) -> Tensor:
+    """(M, ...) values at the M set positions of an (N, T) mask -> (N, T, ...), zeros elsewhere; differentiable.
+    The inverse of `x[mask]`: per-token math runs on the model tokens only, losses see the usual layout."""
+    out = values.new_zeros((*mask.shape, *values.shape[1:]))
+    out[mask] = values
+    return out

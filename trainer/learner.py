@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import RolloutBatch, autocast, response_logits
+from trainer.batch import RolloutBatch, autocast, response_logits, scatter_tokens
 from trainer.config import KLSection, TrainSection
 from trainer.ema import EmaAnchor
 from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
@@ -52,8 +52,11 @@ class Learner:
         self.autocast_kind = autocast_kind
 
     def logits(self, model, mb: RolloutBatch) -> Tensor:
+        """(1, M, V) logits at the micro-batch's M model-token positions (loss_mask), as one packed row: every
+        per-token quantity is computed there only, never at observations or padding (nothing is learned there,
+        and they are most of a search trajectory's tokens)."""
         with autocast(self.autocast_kind, model):
-            return response_logits(model, mb, self.temperature)
+            return response_logits(model, mb, self.temperature, only=mb.loss_mask)[None]
 
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> None:
@@ -68,52 +71,59 @@ class Learner:
         self.policy.eval()
         for rows in micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
-            w = mb.response_ids.shape[1]
-            policy_logits = self.logits(self.policy, mb)
-            batch.old_logprobs[rows, :w] = gather_logprobs(policy_logits, mb.response_ids[..., None])[..., 0]
-            anchor_logits = self.logits(self.anchor.module, mb)
+            w, mask = mb.response_ids.shape[1], mb.loss_mask
+            tokens = mb.response_ids[mask][:, None]  # (M, 1)
+            policy_logits = self.logits(self.policy, mb)[0]
+            anchor_logits = self.logits(self.anchor.module, mb)[0]
             source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
-            top = source.topk(k, dim=-1).indices if k > 0 else source.new_zeros((*source.shape[:2], 0), dtype=torch.long)
-            batch.topk_ids[rows, :w] = top
-            anchor_values = gather_logprobs(anchor_logits, torch.cat([top, mb.response_ids[..., None]], dim=-1))
-            batch.ref_topk_logprobs[rows, :w] = anchor_values[..., :-1]
-            batch.ref_token_logprob[rows, :w] = anchor_values[..., -1]
-        padding = batch.attention_mask[:, batch.prompt_width :] == 0  # the same zeros however rows were grouped
-        for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
-            values[padding] = 0
+            top = source.topk(k, dim=-1).indices if k > 0 else tokens.new_zeros((len(tokens), 0))
+            anchor_values = gather_logprobs(anchor_logits, torch.cat([top, tokens], dim=-1))
+            batch.old_logprobs[rows, :w] = scatter_tokens(gather_logprobs(policy_logits, tokens)[:, 0], mask)
+            batch.topk_ids[rows, :w] = scatter_tokens(top, mask)
+            batch.ref_topk_logprobs[rows, :w] = scatter_tokens(anchor_values[:, :-1], mask)
+            batch.ref_token_logprob[rows, :w] = scatter_tokens(anchor_values[:, -1], mask)
 
     def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
+        """(N, T) per-token KL estimate; `logits` are the packed (1, M, V) model-token logits."""
+        mask = mb.loss_mask
+
+        def packed(x: Tensor) -> Tensor:
+            return x[mask][None]
+
         old = mb.old_logprobs if self.kl.importance_weight else None
         if self.kl.estimator == "topk":
-            return topk_kl(
-                logits, mb.ref_topk_logprobs, mb.ref_token_logprob, mb.topk_ids, mb.response_ids,
-                direction=self.kl.direction, old_token_logprob=old, iw_clip=self.kl.iw_clip,
+            kl = topk_kl(
+                logits, packed(mb.ref_topk_logprobs), packed(mb.ref_token_logprob), packed(mb.topk_ids),
+                packed(mb.response_ids), direction=self.kl.direction,
+                old_token_logprob=None if old is None else packed(old), iw_clip=self.kl.iw_clip,
             )
+            return scatter_tokens(kl[0], mask)
         if self.kl.estimator == "exact":
             with torch.no_grad():
                 anchor_logits = self.logits(self.anchor.module, mb)
-            return exact_kl(logits, anchor_logits, self.kl.direction)
+            return scatter_tokens(exact_kl(logits, anchor_logits, self.kl.direction)[0], mask)
         return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
 
     def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
+        mask = mb.loss_mask
         logits = self.logits(self.policy, mb)
-        token_logprob = gather_logprobs(logits, mb.response_ids[..., None])[..., 0]
-        advantages = broadcast_to_tokens(mb.advantages, mb.loss_mask)
+        token_logprob = scatter_tokens(gather_logprobs(logits[0], mb.response_ids[mask][:, None])[:, 0], mask)
+        advantages = broadcast_to_tokens(mb.advantages, mask)
         pg_loss, pg_stats = ppo_clip_loss(
-            token_logprob, mb.old_logprobs, advantages, mb.loss_mask,
+            token_logprob, mb.old_logprobs, advantages, mask,
             clip_low=self.train.clip_low, clip_high=self.train.clip_high, aggregation=self.train.aggregation,
         )
         loss = pg_loss
         stats = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
         if self.kl.estimator != "none":
-            kl = masked_mean(self.kl_per_token(logits, token_logprob, mb), mb.loss_mask, self.train.aggregation)
+            kl = masked_mean(self.kl_per_token(logits, token_logprob, mb), mask, self.train.aggregation)
             loss = loss + self.kl.beta * kl
             stats["kl"] = float(kl.detach())
         # Entropy is always logged; it carries gradient only when it is in the loss.
         with torch.set_grad_enabled(self.train.entropy_coef > 0):
-            logp = torch.log_softmax(logits, dim=-1)
-            entropy = masked_mean(-(logp.exp() * logp).sum(-1), mb.loss_mask, self.train.aggregation)
+            logp = torch.log_softmax(logits[0], dim=-1)
+            entropy = masked_mean(scatter_tokens(-(logp.exp() * logp).sum(-1), mask), mask, self.train.aggregation)
             del logp
         if self.train.entropy_coef > 0:
             loss = loss - self.train.entropy_coef * entropy
