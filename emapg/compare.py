@@ -47,17 +47,18 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
     import matplotlib.pyplot as plt
 
     fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name, metrics in curves.items():
-        it = [m["iteration"] for m in metrics]
-        ax_r.plot(it, [m["reward"] for m in metrics], alpha=0.35)
-        window = 5  # a trailing mean: single iterations of 16 rollouts are noisy
-        smooth = [sum(m["reward"] for m in metrics[max(0, i - window + 1) : i + 1]) / min(window, i + 1)
-                  for i in range(len(metrics))]
-        ax_r.plot(it, smooth, label=f"{name} (mean of {window})")
+    for i, (name, metrics) in enumerate(curves.items()):
+        color, it = f"C{i}", [m["iteration"] for m in metrics]
+        ax_r.plot(it, [m["reward"] for m in metrics], color=color, alpha=0.3)
+        window = 5  # a trailing mean: single iterations of a few groups are noisy
+        smooth = [sum(m["reward"] for m in metrics[max(0, j - window + 1) : j + 1]) / min(window, j + 1)
+                  for j in range(len(metrics))]
+        ax_r.plot(it, smooth, color=color, label=f"{name} (faint: per iteration; bold: mean of {window})")
         points = held_out[name]
-        ax_e.errorbar([i for i, _ in points], [p["em"] for _, p in points],
+        shift = 0.15 * (i - 0.5)  # side by side, so equal values stay visible
+        ax_e.errorbar([j + shift for j, _ in points], [p["em"] for _, p in points],
                       yerr=[[p["em"] - p["em_low"] for _, p in points], [p["em_high"] - p["em"] for _, p in points]],
-                      marker="o", capsize=3, label=name)
+                      color=color, marker="o", capsize=3, label=name)
     ax_r.set(title="training reward (rollouts)", xlabel="iteration")
     ax_e.set(title="held-out EM (95% CI)", xlabel="iteration", ylim=(0, None))
     ax_r.legend()
