@@ -5,7 +5,7 @@ the limit, then cut the text at the first stop tag). Prints one JSON line.
 The packaged SmolLM2-135M does not follow the protocol zero-shot, so the prompt carries one worked example
 (one-shot): the model then writes tags often enough to measure what cutting costs.
 
-    python benchmarks/rollout.py [--prompts 16] [--max-tokens 300]
+    python benchmarks/rollout.py [--prompts 16] [--max-tokens 300] [--checkpoint artifacts/runs/cpu-demo/sft]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from agent.hf_backend import TransformersBackend
 from agent.policy import load_policy, load_tokenizer
 from agent.protocol import ANSWER_STOP, SEARCH_STOP, prompt_ids, prompt_text
 from data.qa import load_packaged
+from trainer.checkpoint import load_policy_weights
 
 ONE_SHOT = (
     "Example:\nQuestion: who painted the mona lisa?\n<think> I should look this up. </think>\n"
@@ -50,12 +52,19 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="policy weights from a training checkpoint or run folder (e.g. the demo's SFT); it follows "
+                         "the protocol, so the prompt is the plain one, without the worked example")
     args = ap.parse_args()
     torch.manual_seed(0)
     tokenizer = load_tokenizer()
-    backend = TransformersBackend(load_policy(), tokenizer, max_batch_size=args.batch_size)
+    policy = load_policy()
+    if args.checkpoint is not None:
+        policy.load_state_dict(load_policy_weights(args.checkpoint))
+    backend = TransformersBackend(policy, tokenizer, max_batch_size=args.batch_size)
     questions = [ex.question for ex in load_packaged("nq", "dev")[: args.prompts]]
-    prompts = [prompt_ids(tokenizer, ONE_SHOT + prompt_text(q)) for q in questions]
+    example = "" if args.checkpoint is not None else ONE_SHOT
+    prompts = [prompt_ids(tokenizer, example + prompt_text(q)) for q in questions]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0)
 
     with_stop, t_stop = run(backend, prompts, params, STOPS)
@@ -65,6 +74,7 @@ def main() -> None:
     kept_cut = sum(kept_length(tokenizer, g.token_ids) for g in cut)
     print(json.dumps({
         "benchmark": "rollout", "backend": "transformers", "model": "smollm2-135m-instruct (fp32)",
+        "checkpoint": str(args.checkpoint) if args.checkpoint else None,
         "prompts": len(prompts), "batch_size": args.batch_size, "max_tokens": args.max_tokens, "temperature": 1.0,
         "stop_strings": {
             "generated_tokens": generated_stop, "kept_tokens": generated_stop, "seconds": round(t_stop, 1),
