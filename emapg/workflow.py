@@ -1,7 +1,8 @@
-"""The steps the CLI commands and the demo share: question sets, demonstrations + SFT, EMA-PG, evaluation.
+"""The steps the CLI commands, the demo and the comparison share: question sets (answerable subsets, cached),
+demonstrations + SFT, the training progress line, agent-mode evaluation of an in-memory policy.
 
-Each step takes the run's TrainConfig and an open retriever client, so `emapg sft`, `emapg train`, `emapg eval`
-and `emapg demo` all run exactly the same code.
+Each step takes the run's TrainConfig and an open retriever client, so `emapg sft`, `emapg train`, `emapg demo`
+and `emapg compare` build their data and train exactly the same way.
 """
 
 from __future__ import annotations
