@@ -107,7 +107,8 @@ def serve(
     from pydantic import ValidationError
 
     from retriever.manifest import EncoderMismatchError
-    from retriever.server import ServerSettings, serve as run_server
+    from retriever.server import ServerSettings
+    from retriever.server import serve as run_server
 
     try:
         settings = ServerSettings(
@@ -268,18 +269,6 @@ def _run_config(ctx: typer.Context, config: Path | None):
     return cfg
 
 
-def _client_and_tag(url: str | None, cfg):
-    import httpx
-
-    from emapg.workflow import index_tag
-    from retriever.client import RetrieverClient
-
-    if url is None:
-        return None, "none"
-    client = RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s)
-    return client, index_tag(httpx.get(url + "/health", timeout=10).json())
-
-
 def _train_questions(cfg, client, tag: str) -> list:
     from emapg.workflow import train_examples
 
@@ -303,14 +292,12 @@ def sft(
     """Warm start: build protocol demonstrations with the real retriever, then supervised training on their model
     tokens. Writes <run>/sft/checkpoints/ for `emapg train --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import build_sft_data, run_sft
-    from trainer.loop import retriever_context
+    from emapg.workflow import build_sft_data, connect_retriever, run_sft
 
     cfg = _run_config(ctx, config)
     if cfg.rollout.mode != "agent":
         _fail("sft builds search demonstrations: rollout.mode must be agent")
-    with retriever_context(cfg) as url:
-        client, tag = _client_and_tag(url, cfg)
+    with connect_retriever(cfg) as (client, tag):
         examples = _train_questions(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
         demos = build_sft_data(cfg, client, tokenizer, examples)
@@ -330,13 +317,12 @@ def train(
 ) -> None:
     """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import print_iteration
+    from emapg.workflow import connect_retriever, print_iteration
     from trainer.checkpoint import CheckpointError
-    from trainer.loop import Trainer, resume_or_start, retriever_context
+    from trainer.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
-    with retriever_context(cfg) as url:
-        client, tag = _client_and_tag(url, cfg)
+    with connect_retriever(cfg) as (client, tag):
         examples = _train_questions(cfg, client, tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         tokenizer = load_tokenizer(cfg.model)

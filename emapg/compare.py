@@ -1,7 +1,7 @@
 """`make compare`: GRPO (fixed reference, k3 KL) against EMA-PG (EMA anchor, Top-k KL) from one SFT checkpoint.
 
 Both variants start from the same SFT weights with the same seeds, data order and budget; the only differences
-are `ema.tau`/`ema.period` and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared) and
+are `ema.tau` (1.0: a fixed reference) and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared) and
 every `eval_every` iterations. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 from emapg.demo import pooled, read_jsonl
 from emapg.workflow import (
     build_sft_data,
+    connect_retriever,
     console,
     eval_examples,
-    index_tag,
     print_iteration,
     run_eval,
     run_sft,
@@ -69,11 +69,7 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
 
 
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
-    import httpx
-
     from agent.policy import load_policy, load_tokenizer
-    from retriever.client import RetrieverClient
-    from retriever.process import running_server
     from trainer.checkpoint import load_policy_weights
     from trainer.loop import Trainer, seed_everything
 
@@ -81,9 +77,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     held_out: dict[str, list[tuple[int, dict]]] = {}
-    with running_server(cfg.retriever.index, log=out / "server.log") as url, \
-            RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
-        tag = index_tag(httpx.get(url + "/health", timeout=10).json())
+    with connect_retriever(cfg, log=out / "server.log") as (client, tag):
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
         if init is None:  # no SFT checkpoint given: make one, shared by both variants

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from emapg.workflow import (
     build_sft_data,
+    connect_retriever,
     console,
     eval_examples,
-    index_tag,
     print_iteration,
     run_eval,
     run_sft,
@@ -111,11 +111,7 @@ def plot_stages(stages: dict[str, EvalReport], path: Path) -> None:
 
 
 def run_demo(cfg) -> Path:
-    import httpx
-
     from agent.policy import load_policy, load_tokenizer
-    from retriever.client import RetrieverClient
-    from retriever.process import running_server
     from trainer.loop import Trainer
 
     out = cfg.run_dir
@@ -133,9 +129,7 @@ def run_demo(cfg) -> Path:
         return now
 
     console.rule("retrieval server")
-    with running_server(cfg.retriever.index, log=out / "server.log") as url, \
-            RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
-        tag = index_tag(httpx.get(url + "/health", timeout=10).json())
+    with connect_retriever(cfg, log=out / "server.log") as (client, tag):
         for question, hits in zip(RETRIEVAL_CHECK, client.search(RETRIEVAL_CHECK, 1), strict=True):
             console.print(f"{question!r} -> {hits[0].contents.splitlines()[0]} ({hits[0].score:.3f})")
         train = train_examples(cfg, client, tag)

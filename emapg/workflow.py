@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -26,6 +28,23 @@ def index_tag(health: dict) -> str:
     dtype = health.get("passage_dtype")
     precision = f"-{dtype}" if dtype not in (None, "float32") else ""  # fp32 tags predate this field
     return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}{precision}-{health['num_docs']}"
+
+
+@contextmanager
+def connect_retriever(cfg, log: Path | None = None) -> Iterator[tuple]:
+    """(client, index tag) for a run: the server at cfg.retriever.url, else one started on cfg.retriever.index for
+    the duration (its output to `log`); (None, "none") when rollout.mode is direct (no retrieval)."""
+    import httpx
+
+    from retriever.client import RetrieverClient
+    from retriever.process import running_server
+
+    if cfg.rollout.mode == "direct":
+        yield None, "none"
+        return
+    server = nullcontext(cfg.retriever.url) if cfg.retriever.url else running_server(cfg.retriever.index, log=log)
+    with server as url, RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
+        yield client, index_tag(httpx.get(url + "/health", timeout=10).json())
 
 
 def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:

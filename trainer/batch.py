@@ -42,7 +42,7 @@ class RolloutBatch:
         """The sub-batch of these rows (a mini- or micro-batch), cut to its longest response: the dropped columns
         are padding after every row's end, which no earlier position attends to (causal), so nothing changes."""
         width = self.response_ids.shape[1]
-        keep = max(int(self.response_lengths()[rows].max()), 1) if len(rows) else width
+        keep = max(int(self.attention_mask[rows, self.prompt_width :].sum(-1).max()), 1) if len(rows) else width
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)

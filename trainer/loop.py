@@ -15,7 +15,6 @@ import json
 import random
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,11 +236,3 @@ def resume_or_start(trainer: Trainer, resume: bool, init: Path | None) -> None:
     elif init is not None:
         trainer.init_from(init)
 
-
-def retriever_context(cfg: TrainConfig):
-    """A client for the configured retriever, starting a server on cfg.retriever.index when no URL is given."""
-    from retriever.process import running_server
-
-    if cfg.rollout.mode == "direct":
-        return nullcontext(None)
-    return nullcontext(cfg.retriever.url) if cfg.retriever.url else running_server(cfg.retriever.index)
