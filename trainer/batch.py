@@ -35,6 +35,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """Every tensor moved to `device` (the learner's; collate builds on CPU)."""
+        return RolloutBatch(**{f.name: (v.to(device) if isinstance(v, Tensor) else v)
+                               for f in fields(self) for v in [getattr(self, f.name)]})
+
     def response_lengths(self) -> Tensor:
         return self.attention_mask[:, self.prompt_width :].sum(-1)
 

@@ -64,10 +64,11 @@ class Learner:
         the anchor's full-vocabulary log-probs exist only transiently, k + 1 values per token are kept."""
         k, direction = self.kl.topk, self.kl.direction
         n, width = batch.response_ids.shape
-        batch.old_logprobs = torch.zeros(n, width)
-        batch.topk_ids = torch.zeros(n, width, k, dtype=torch.long)
-        batch.ref_topk_logprobs = torch.zeros(n, width, k)
-        batch.ref_token_logprob = torch.zeros(n, width)
+        device = batch.response_ids.device
+        batch.old_logprobs = torch.zeros(n, width, device=device)
+        batch.topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
+        batch.ref_topk_logprobs = torch.zeros(n, width, k, device=device)
+        batch.ref_token_logprob = torch.zeros(n, width, device=device)
         self.policy.eval()
         for rows in micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns

@@ -191,7 +191,7 @@ class Trainer:
         scores = [self.reward_fn(traj) for traj in trajs]
         advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
                                      normalize_std=t.normalize_adv_std)
-        batch = collate(trajs, advantages, self.tokenizer.pad_token_id or 0)
+        batch = collate(trajs, advantages, self.tokenizer.pad_token_id or 0).to(next(self.policy.parameters()).device)
         self.learner.prepare(batch)
         timings["time_prepare_s"] = time.perf_counter() - start
 
