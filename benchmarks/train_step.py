@@ -1,0 +1,155 @@
+"""One EMA-PG learner step on a random Qwen2-shaped model at Qwen's vocabulary (151,936), no downloaded weights:
+`Learner.prepare` (pi_old, the anchor at pi_old's top-k ids) + `Learner.update` (PPO-clip + Top-k KL, AdamW) +
+the EMA anchor update, fp32 master weights under bf16 autocast, as configs/gpu_1x.yaml trains. It checks that the
+trainer runs on a GPU and sizes a step there; on CPU it runs the same code with small sizes. Prints one JSON line.
+
+Trajectories are synthetic but shaped like search rollouts: a prompt, then model turns (loss_mask 1) alternating
+with observations (loss_mask 0), turn lengths varying by row so micro-batches are cut to different widths.
+Times are the best of --steps after one warm-up step; peak memory is CUDA's max_memory_allocated (weights,
+optimizer state and anchor included), or the process's peak RSS on CPU.
+
+    python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
+        [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
+        [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import resource
+import sys
+import time
+
+import torch
+
+from agent.trajectory import Trajectory
+from trainer.batch import RolloutBatch, collate
+from trainer.config import load_config
+from trainer.ema import EmaAnchor
+from trainer.learner import Learner
+from trainer.loop import warmup_schedule
+
+
+def synthetic_batch(args, generator: torch.Generator) -> RolloutBatch:
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, args.vocab, (n,), generator=generator).tolist()
+
+    trajectories = []
+    for row in range(args.trajectories):
+        traj = Trajectory(uid=f"g{row}#0", group_id=f"g{row}", question="q", golden_answers=["a"],
+                          prompt_ids=ids(args.prompt_tokens))
+        for turn in range(args.turns):
+            n = max(1, int(args.turn_tokens * (0.5 + 0.5 * torch.rand((), generator=generator).item())))
+            traj.append(ids(n), model=True, logprobs=[-1.0] * n)  # sampler log-probs only feed a logged gap
+            if turn < args.turns - 1:
+                traj.append(ids(args.obs_tokens), model=False)
+        trajectories.append(traj)
+    advantages = torch.randn(args.trajectories, generator=generator)
+    return collate(trajectories, advantages, pad_id=0)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)  # 2 KV heads, as every Qwen2.5 up to 3B
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width; default 5.5 x hidden, as Qwen2.5")
+    ap.add_argument("--trajectories", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-tokens", type=int, default=200)
+    ap.add_argument("--obs-tokens", type=int, default=300)
+    ap.add_argument("--autocast", default="bfloat16", choices=["none", "bfloat16"])
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device")
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or 11 * args.hidden // 2,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+    )
+    with torch.device(device):  # initialised in place: a billion-parameter shape initialises in seconds on a GPU
+        policy = Qwen2ForCausalLM(config)  # fp32 master weights (configs/gpu_1x.yaml)
+    cfg = load_config(overrides=[
+        f"train.prompts_per_iteration={args.trajectories}", "train.rollouts_per_prompt=1",
+        f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
+        f"autocast={args.autocast}",
+    ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
+    anchor = EmaAnchor(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                                  weight_decay=cfg.train.weight_decay)
+    learner = Learner(policy, anchor, optimizer, warmup_schedule(optimizer, cfg.train.warmup_steps), cfg.train,
+                      cfg.kl, autocast_kind=cfg.autocast)
+    generator = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(args, generator).to(device)  # the learner allocates on the batch's device
+
+    times: dict[str, list[float]] = {"prepare_s": [], "update_s": [], "ema_s": []}
+    for step in range(1 + args.steps):  # step 0 warms up (kernel selection, allocator), untimed
+        synchronize(device)
+        t0 = time.perf_counter()
+        learner.prepare(batch)
+        synchronize(device)
+        t1 = time.perf_counter()
+        stats = learner.update(batch, generator)
+        synchronize(device)
+        t2 = time.perf_counter()
+        anchor.update(policy, cfg.ema.tau)
+        synchronize(device)
+        t3 = time.perf_counter()
+        if step == 0:
+            continue
+        for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            times[key].append(seconds)
+    if not all(math.isfinite(stats[k]) for k in ("loss", "kl", "grad_norm")):
+        sys.exit(f"non-finite learner stats: {stats}")
+
+    best = {key: min(values) for key, values in times.items()}
+    step_s = best["prepare_s"] + best["update_s"] + best["ema_s"]
+    if device == "cuda":
+        peak, measure = torch.cuda.max_memory_allocated(), "cuda_max_memory_allocated"
+    else:
+        peak, measure = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
+    tokens = int(batch.attention_mask.sum())
+    print(json.dumps({
+        "benchmark": "train_step", "device": device, "device_name": device_name(device),
+        "torch": torch.__version__, "autocast": args.autocast,
+        "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                  "params": sum(p.numel() for p in policy.parameters())},
+        "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
+        "model_tokens": int(batch.loss_mask.sum()), "optimizer_steps": stats["optimizer_steps"],
+        "step_s": round(step_s, 4), **{k: round(v, 4) for k, v in best.items()},
+        "tokens_per_s": round(tokens / step_s, 1),
+        "peak_memory_gb": round(peak / 1e9, 3), "peak_memory_measure": measure,
+        "loss": round(stats["loss"], 6), "kl": stats["kl"], "grad_norm": round(stats["grad_norm"], 6),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The GPU check's pieces on CPU: benchmarks/train_step.py (the learner's bf16 step on a random Qwen2 model) runs
+and prints its JSON line; benchmarks/gpu_check.sh refuses to pass without CUDA."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_step_benchmark_runs_on_cpu_and_prints_one_json_line():
+    tiny = ["--device", "cpu", "--vocab", "4096", "--hidden", "64", "--heads", "4", "--layers", "2",
+            "--trajectories", "4", "--micro", "2", "--prompt-tokens", "16", "--turns", "2", "--turn-tokens", "16",
+            "--obs-tokens", "16", "--steps", "1"]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *tiny], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert (result["benchmark"], result["device"], result["autocast"]) == ("train_step", "cpu", "bfloat16")
+    assert result["model"]["vocab"] == 4096
+    assert result["optimizer_steps"] == 1  # one mini-batch: the whole batch
+    assert 0 < result["model_tokens"] < result["tokens"]  # observations and prompts are masked out
+    assert result["step_s"] > 0 and result["tokens_per_s"] > 0 and result["peak_memory_gb"] > 0
+    assert all(math.isfinite(result[k]) for k in ("loss", "kl", "grad_norm"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")
+def test_gpu_check_fails_without_cuda():
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHON": sys.executable}, check=False)
+    assert out.returncode != 0
+    assert json.loads(out.stdout.strip().splitlines()[0])["error"] == "torch sees no CUDA device"

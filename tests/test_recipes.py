@@ -1,0 +1,65 @@
+"""The GPU recipes load through the one typed config and say what they promise: vLLM rollouts, Ray placement that
+fits the GPUs they are written for, fp32 master weights under bf16 autocast, and (for the paper's) the paper's
+algorithm settings (design.md section 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GPU_RECIPES = {"gpu_1x.yaml": 1, "paper_qwen2.5_3b_base.yaml": 8}  # recipe -> GPUs it is written for
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads(path):
+    load_config(path)
+
+
+@pytest.mark.parametrize("name,gpus", GPU_RECIPES.items())
+def test_gpu_recipe_uses_vllm_and_ray_colocated_on_its_gpus(name, gpus):
+    cfg = load_config(CONFIGS / name)
+    d = cfg.distributed
+    assert cfg.rollout.backend == "vllm"
+    assert d.backend == "ray"
+    assert d.rollout_workers == d.learner_ranks == gpus  # one engine and one rank per GPU
+    # Colocated: each GPU holds one worker and one rank, and the shares add up to exactly the GPUs.
+    assert d.gpus_per_rollout_worker + d.gpus_per_learner_rank == 1.0
+    assert d.rollout_workers * d.gpus_per_rollout_worker + d.learner_ranks * d.gpus_per_learner_rank == gpus
+    assert d.strategy == ("fsdp" if gpus > 1 else "ddp")
+    # vLLM caps its own share; the learner needs the larger rest (fp32 state, activations).
+    assert cfg.rollout.gpu_memory_utilization <= 0.4
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_keeps_fp32_master_weights_under_bf16_autocast(name):
+    """AdamW at lr 1e-6 cannot move bf16 weights (the step is below half an ulp), so the recipes keep fp32
+    parameters and run the passes in bf16."""
+    cfg = load_config(CONFIGS / name)
+    assert (cfg.dtype, cfg.autocast, cfg.ema.dtype) == ("float32", "bfloat16", "float32")
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_max_model_len_holds_the_longest_conversation(name):
+    r = load_config(CONFIGS / name).rollout
+    prompt, tags = 512, 32  # a generous prompt; the <information> wrapper and separators per observation
+    longest = prompt + r.max_turns * (r.max_tokens_per_turn + r.max_obs_tokens + tags) + r.max_tokens_per_turn
+    assert longest <= r.max_model_len
+
+
+def test_paper_recipe_keeps_the_papers_algorithm_settings():
+    cfg = load_config(CONFIGS / "paper_qwen2.5_3b_base.yaml")
+    t, kl, ema, r = cfg.train, cfg.kl, cfg.ema, cfg.rollout
+    assert cfg.model == "Qwen/Qwen2.5-3B"
+    assert (t.iterations, t.prompts_per_iteration, t.rollouts_per_prompt, t.mini_batch_size) == (1000, 512, 5, 256)
+    assert (t.lr, t.betas, t.weight_decay, t.grad_clip, t.ppo_epochs) == (1e-6, (0.9, 0.95), 0.01, 1.0, 1)
+    assert (t.clip_low, t.clip_high, t.aggregation) == (0.2, 0.28, "token-mean")
+    assert (kl.estimator, kl.direction, kl.topk, kl.beta, kl.importance_weight) == ("topk", "reverse", 32, 0.001, True)
+    assert (ema.tau, ema.period) == (0.9, 10)
+    assert (r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens, r.temperature) == (4, 500, 500, 1.0)
+    assert cfg.retriever.topk == 3
+    assert cfg.reward.format == 0.0
+    assert cfg.data.train == ["nq:train", "hotpotqa:train"]
