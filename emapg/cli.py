@@ -102,8 +102,13 @@ def serve(
     query_dtype: Annotated[str, typer.Option(help="query encoder dtype: float32 or bfloat16")] = "float32",
     gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
     search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each loading its own copy of "
+                                         "the index (memory x N) and batching on its own; /metrics is per process")] = 1,
 ) -> None:
-    """Serve Search-R1's POST /retrieve over an index folder."""
+    """Serve Search-R1's POST /retrieve over an index folder. To scale out past one machine, run replicas (this
+    command on other ports or hosts, same index) and give clients all their URLs: `emapg eval --retriever-url A
+    --retriever-url B`, `retriever.url=[A,B]` in a run config, or RetrieverClient([A, B]); requests are spread
+    round-robin and move to another replica when one fails."""
     from pydantic import ValidationError
 
     from retriever.manifest import EncoderMismatchError
@@ -116,7 +121,7 @@ def serve(
             max_queries=max_queries, max_query_chars=max_query_chars, batching=batching,
             max_batch_queries=max_batch_queries, max_wait_ms=max_wait_ms, cache_size=cache_size,
             search_threads=search_threads, device=device, query_dtype=query_dtype, gpu_index=gpu,
-            search_params=search_params,
+            search_params=search_params, workers=workers,
         )
         run_server(settings)
     except ValidationError as e:
@@ -142,15 +147,19 @@ def print_hits(question: str, hits: list) -> None:
 @app.command()
 def search(
     queries: Annotated[list[str], typer.Argument(help="one or more questions")],
-    url: Annotated[str, typer.Option(help="retriever URL")] = "http://127.0.0.1:8000",
+    url: Annotated[list[str] | None, typer.Option(help="retriever URL (default http://127.0.0.1:8000); repeat it for "
+                                                  "replicas of one index")] = None,
     topk: Annotated[int, typer.Option(min=1)] = 3,
 ) -> None:
     """Query a running retriever and print the hits."""
     from retriever.client import RetrieverClient, RetrieverError
 
+    token = os.environ.get("EMAPG_RETRIEVER_TOKEN")
     try:
-        with RetrieverClient(url, topk=topk, token=os.environ.get("EMAPG_RETRIEVER_TOKEN"), retries=2) as client:
+        with RetrieverClient(url or "http://127.0.0.1:8000", topk=topk, token=token, retries=2) as client:
             results = client.search(queries)
+    except ValueError as e:
+        _fail(f"--url: {e}")
     except RetrieverError as e:
         _fail(str(e))
     for q, hits in zip(queries, results, strict=True):
@@ -197,7 +206,8 @@ def eval_command(
     answerable_k: Annotated[int, typer.Option(min=1)] = 5,
     limit: Annotated[int, typer.Option(min=1, help="questions per dataset (the first N)")] = 100,
     modes: Annotated[str, typer.Option(help="comma-separated: direct, rag, agent")] = "direct,rag,agent",
-    retriever_url: Annotated[str | None, typer.Option(help="a running retriever; default: start one on --index")] = None,
+    retriever_url: Annotated[list[str] | None, typer.Option(help="a running retriever (repeat it for replicas of one "
+                                                      "index); default: start one on --index")] = None,
     index_dir: Annotated[Path, typer.Option("--index", help="index to serve when no --retriever-url")] = DEFAULT_INDEX,
     max_turns: Annotated[int, typer.Option(min=0)] = 4,
     max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 500,
@@ -211,14 +221,12 @@ def eval_command(
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
     from contextlib import nullcontext
 
-    import httpx
-
     from agent.hf_backend import TransformersBackend
     from agent.policy import load_policy, load_tokenizer
     from agent.rollout import RolloutConfig
-    from emapg.workflow import answerable, index_tag, load_datasets
+    from emapg.workflow import answerable, load_datasets, served_index_tag
     from eval.harness import evaluate
-    from retriever.client import RetrieverClient
+    from retriever.client import RetrieverClient, retrieve_endpoints
     from retriever.process import running_server
     from trainer.checkpoint import CheckpointError, load_policy_weights
 
@@ -228,13 +236,18 @@ def eval_command(
             _fail(f"--modes: unknown mode {m!r} (direct, rag, agent)")
     if subset not in ("answerable", "full"):
         _fail(f"--subset must be 'answerable' or 'full', got {subset!r}")
+    if retriever_url:
+        try:
+            retrieve_endpoints(retriever_url)
+        except ValueError as e:
+            _fail(f"--retriever-url: {e}")
     try:
         data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     server = nullcontext(retriever_url) if retriever_url else running_server(index_dir)
-    with server as url, RetrieverClient(url, topk=topk, timeout_s=60) as client:
-        tag = index_tag(httpx.get(url + "/health", timeout=10).json())
+    with server as urls, RetrieverClient(urls, topk=topk, timeout_s=60) as client:
+        tag = served_index_tag(client.urls)
         if subset == "answerable":
             data = {name: answerable(examples, client, answerable_k, tag, f"{name}-{split}")
                     for name, examples in data.items()}

@@ -30,12 +30,33 @@ def index_tag(health: dict) -> str:
     return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}{precision}-{health['num_docs']}"
 
 
-@contextmanager
-def connect_retriever(cfg, log: Path | None = None) -> Iterator[tuple]:
-    """(client, index tag) for a run: the server at cfg.retriever.url, else one started on cfg.retriever.index for
-    the duration (its output to `log`); (None, "none") when rollout.mode is direct (no retrieval)."""
+def served_index_tag(urls: list[str]) -> str:
+    """The index tag of the retriever replicas at `urls`, from their /health. The replicas that answer must serve
+    the same index (another index would give other passages for the same query); one that is down is skipped,
+    as the client fails over from it."""
     import httpx
 
+    from retriever.client import RetrieverUnavailable
+
+    tags: dict[str, str] = {}
+    down: list[str] = []
+    for url in urls:
+        try:
+            tags[url] = index_tag(httpx.get(url + "/health", timeout=10).raise_for_status().json())
+        except httpx.HTTPError as e:
+            down.append(f"{url}: {type(e).__name__}: {e}")
+    if not tags:
+        raise RetrieverUnavailable(f"no retriever answers /health: {'; '.join(down)}")
+    if len(set(tags.values())) > 1:
+        served = ", ".join(f"{url} has {tag}" for url, tag in tags.items())
+        raise ValueError(f"retriever replicas serve different indexes: {served}")
+    return next(iter(tags.values()))
+
+
+@contextmanager
+def connect_retriever(cfg, log: Path | None = None) -> Iterator[tuple]:
+    """(client, index tag) for a run: the server (or replicas) at cfg.retriever.url, else one started on
+    cfg.retriever.index for the duration (its output to `log`); (None, "none") when rollout.mode is direct."""
     from retriever.client import RetrieverClient
     from retriever.process import running_server
 
@@ -43,8 +64,8 @@ def connect_retriever(cfg, log: Path | None = None) -> Iterator[tuple]:
         yield None, "none"
         return
     server = nullcontext(cfg.retriever.url) if cfg.retriever.url else running_server(cfg.retriever.index, log=log)
-    with server as url, RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
-        yield client, index_tag(httpx.get(url + "/health", timeout=10).json())
+    with server as urls, RetrieverClient(urls, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
+        yield client, served_index_tag(client.urls)
 
 
 def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:

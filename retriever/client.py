@@ -1,14 +1,19 @@
-"""HTTP client for `POST /retrieve` (ours or Search-R1's server), sync and async, with retries and batching.
+"""HTTP client for `POST /retrieve` (ours or Search-R1's server), sync and async, with retries, replicas and batching.
 
-Connection errors, timeouts and 5xx answers are retried with exponential backoff; a 4xx answer is the caller's
-mistake and raises at once with the server's message. When the server stays down, the error names the URL.
+Give one URL, or a list of replica URLs serving the same index: requests go round-robin over the replicas.
+Connection errors, timeouts and 5xx answers are retryable: the request moves at once to the next replica, and the
+replica that failed sits out a short cool-off, so other requests do not wait on it too. Only when every replica
+has failed does the client back off exponentially and try them all again; after `retries` such rounds it raises
+RetrieverUnavailable naming every URL. A 4xx answer is the caller's mistake (any replica would refuse it) and
+raises at once with the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 import httpx
 
@@ -16,6 +21,9 @@ from data.corpus import split_contents
 from retriever.docstore import Hit
 
 RETRYABLE = (httpx.TransportError,)  # connect/read/write errors, timeouts, dropped connections
+# A replica that does not accept a connection within this is taken as down and the request moves on; a busy server
+# still accepts connections at once (the kernel does), so only the read may take the whole timeout_s.
+CONNECT_TIMEOUT_S = 5.0
 
 
 class RetrieverError(RuntimeError):
@@ -23,7 +31,7 @@ class RetrieverError(RuntimeError):
 
 
 class RetrieverUnavailable(RetrieverError):
-    """The server could not be reached (or kept failing) after all retries."""
+    """No replica could be reached (or every one kept failing) after all retries."""
 
 
 def format_hits(hits: list[Hit]) -> str:
@@ -55,26 +63,74 @@ def _raise_for_client_error(response: httpx.Response, url: str) -> None:
         raise RetrieverError(f"{url} refused the request ({response.status_code}): {message}")
 
 
+def retrieve_endpoints(urls: str | Sequence[str]) -> list[str]:
+    """The `/retrieve` endpoint of each replica URL; refuses no URL, a URL that is not http(s), or one given twice."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise ValueError("retriever url: give at least one URL")
+    for url in urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever url {url!r} must start with http:// or https://")
+    endpoints = [url.rstrip("/") + "/retrieve" for url in urls]
+    if len(set(endpoints)) < len(endpoints):
+        raise ValueError(f"retriever urls {urls} name a replica twice")
+    return endpoints
+
+
+class Replicas:
+    """The replicas' endpoints, whose turn is next (round-robin), and which are cooling off after a failure.
+
+    Shared by every request of a client. A replica that failed is skipped until its cool-off ends: while it is down,
+    requests then go straight to the others instead of each paying a connection error or timeout on it first.
+    """
+
+    def __init__(self, endpoints: list[str], cooloff_s: float):
+        self.endpoints = endpoints
+        self.cooloff_s = cooloff_s
+        self._turn = itertools.count()  # next() on a count is atomic in CPython: safe across threads
+        self._cooling_until: dict[str, float] = {}
+
+    def rotation(self) -> list[str]:
+        """The replicas not cooling off, each once, starting with the one whose turn it is (turns go round the
+        ready ones, so they share a failed replica's load evenly). When all are cooling off, all of them: a request
+        never fails without trying."""
+        now = time.monotonic()
+        ready = [e for e in self.endpoints if self._cooling_until.get(e, 0.0) <= now] or self.endpoints
+        start = next(self._turn) % len(ready)
+        return ready[start:] + ready[:start]
+
+    def failed(self, endpoint: str) -> None:
+        self._cooling_until[endpoint] = time.monotonic() + self.cooloff_s
+
+    def answered(self, endpoint: str) -> None:
+        self._cooling_until.pop(endpoint, None)
+
+
 class _ClientBase:
     def __init__(
         self,
-        url: str = "http://127.0.0.1:8000",
+        url: str | Sequence[str] = "http://127.0.0.1:8000",
         *,
         topk: int = 3,
         timeout_s: float = 30.0,
         retries: int = 5,
         backoff_s: float = 0.25,
+        cooloff_s: float = 5.0,
         max_queries_per_request: int = 512,
         token: str | None = None,
     ):
-        self.url = url.rstrip("/")
-        self.endpoint = self.url + "/retrieve"
+        self.replicas = Replicas(retrieve_endpoints(url), cooloff_s)
         self.topk = topk
-        self.timeout_s = timeout_s
+        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self.max_queries_per_request = max_queries_per_request
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self.backoff_s = backoff_s
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' base URLs (where `/health` is)."""
+        return [e.removesuffix("/retrieve") for e in self.replicas.endpoints]
 
     def _chunks(self, queries: list[str]) -> list[list[str]]:
         n = self.max_queries_per_request
@@ -83,43 +139,58 @@ class _ClientBase:
     def _body(self, queries: list[str], topk: int | None) -> dict:
         return {"queries": queries, "topk": topk or self.topk, "return_scores": True}
 
-    def _exchange(self) -> Generator[float, httpx.Response | Exception, list[list[Hit]]]:
-        """The retry policy without I/O, shared by the sync and async clients: yields how long to sleep before
-        the next attempt, is sent that attempt's response (or transport error), returns the parsed hits."""
-        last = ""
-        for attempt in range(self.retries + 1):
-            outcome = yield (0.0 if attempt == 0 else self.backoff_s * 2 ** (attempt - 1))
-            if isinstance(outcome, Exception):
-                last = f"{type(outcome).__name__}: {outcome}"
-            elif outcome.status_code >= 500:
-                last = f"HTTP {outcome.status_code}"
-            else:
-                _raise_for_client_error(outcome, self.endpoint)
-                return _parse(outcome, self.endpoint)
-        raise RetrieverUnavailable(f"retriever at {self.endpoint} unavailable after {self.retries + 1} attempts: {last}")
+    def _exchange(self) -> Generator[tuple[float, str], httpx.Response | Exception, list[list[Hit]]]:
+        """The retry and failover policy without I/O, shared by the sync and async clients: yields (seconds to sleep,
+        endpoint) for each attempt, is sent that attempt's response (or transport error), returns the parsed hits.
+
+        A round tries the replicas in rotation, moving to the next at once when one fails; only after a round in
+        which all failed does it back off (exponentially) before the next, for at most `retries` more rounds. With
+        one URL this is plain retry with backoff.
+        """
+        errors: dict[str, str] = {}  # each replica's latest failure, for the final message
+        attempts = 0
+        for round_ in range(self.retries + 1):
+            delay = 0.0 if round_ == 0 else self.backoff_s * 2 ** (round_ - 1)
+            for endpoint in self.replicas.rotation():
+                outcome = yield delay, endpoint
+                delay, attempts = 0.0, attempts + 1
+                if isinstance(outcome, Exception):
+                    errors[endpoint] = f"{type(outcome).__name__}: {outcome}"
+                elif outcome.status_code >= 500:
+                    errors[endpoint] = f"HTTP {outcome.status_code}"
+                else:
+                    _raise_for_client_error(outcome, endpoint)
+                    self.replicas.answered(endpoint)
+                    return _parse(outcome, endpoint)
+                self.replicas.failed(endpoint)
+        raise RetrieverUnavailable(
+            f"retriever at {', '.join(self.replicas.endpoints)} unavailable after {attempts} attempts: "
+            + "; ".join(f"{endpoint}: {error}" for endpoint, error in errors.items())
+        )
 
 
 class RetrieverClient(_ClientBase):
-    """Blocking client. `search(queries)` sends them in as few requests as the batch limit allows."""
+    """Blocking client over one URL or a list of replicas. `search(queries)` sends them in as few requests as the
+    batch limit allows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._http = httpx.Client(timeout=self.timeout_s, headers=self.headers)
+        self._http = httpx.Client(timeout=self.timeout, headers=self.headers)
 
     def search(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]:
         return [hits for chunk in self._chunks(queries) for hits in self._post(chunk, topk)]
 
     def _post(self, queries: list[str], topk: int | None) -> list[list[Hit]]:
         exchange = self._exchange()
-        delay = next(exchange)
+        delay, endpoint = next(exchange)
         while True:
             time.sleep(delay)
             try:
-                outcome: httpx.Response | Exception = self._http.post(self.endpoint, json=self._body(queries, topk))
+                outcome: httpx.Response | Exception = self._http.post(endpoint, json=self._body(queries, topk))
             except RETRYABLE as e:
                 outcome = e
             try:
-                delay = exchange.send(outcome)
+                delay, endpoint = exchange.send(outcome)
             except StopIteration as done:
                 return done.value
 
@@ -134,11 +205,12 @@ class RetrieverClient(_ClientBase):
 
 
 class AsyncRetrieverClient(_ClientBase):
-    """Asyncio client; chunks of a large query list are sent concurrently."""
+    """Asyncio client over one URL or a list of replicas; chunks of a large query list are sent concurrently (so
+    they spread over the replicas)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers)
+        self._http = httpx.AsyncClient(timeout=self.timeout, headers=self.headers)
 
     async def search(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]:
         parts = await asyncio.gather(*(self._post(chunk, topk) for chunk in self._chunks(queries)))
@@ -146,15 +218,15 @@ class AsyncRetrieverClient(_ClientBase):
 
     async def _post(self, queries: list[str], topk: int | None) -> list[list[Hit]]:
         exchange = self._exchange()
-        delay = next(exchange)
+        delay, endpoint = next(exchange)
         while True:
             await asyncio.sleep(delay)
             try:
-                outcome: httpx.Response | Exception = await self._http.post(self.endpoint, json=self._body(queries, topk))
+                outcome: httpx.Response | Exception = await self._http.post(endpoint, json=self._body(queries, topk))
             except RETRYABLE as e:
                 outcome = e
             try:
-                delay = exchange.send(outcome)
+                delay, endpoint = exchange.send(outcome)
             except StopIteration as done:
                 return done.value
 

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -35,25 +36,46 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
     raise TimeoutError(f"retrieval server at {url} not healthy after {timeout_s:.0f} s")
 
 
+@dataclass
+class ServerProcess:
+    """A retrieval server running as a child process, and its URL."""
+
+    proc: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server(
+    index: Path, *extra_args: str, port: int | None = None, env: dict[str, str] | None = None, log: Path | None = None
+) -> ServerProcess:
+    """Start `emapg serve --index INDEX` on 127.0.0.1 and return once /health answers; the caller stops it."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "emapg.cli", "serve", "--index", str(index), "--port", str(port), *extra_args]
+    with open(log, "ab") if log else open(os.devnull, "wb") as out:  # the child holds its own copy of the file
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}")
+    try:
+        wait_healthy(server.url, proc)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 @contextmanager
 def running_server(
     index: Path, *extra_args: str, port: int | None = None, env: dict[str, str] | None = None, log: Path | None = None
 ) -> Iterator[str]:
     """Start `emapg serve --index INDEX` on 127.0.0.1, yield its URL once /health answers, stop it after."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "emapg.cli", "serve", "--index", str(index), "--port", str(port), *extra_args]
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(index, *extra_args, port=port, env=env, log=log)
     try:
-        wait_healthy(url, proc)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()
+        server.stop()

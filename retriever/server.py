@@ -22,10 +22,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from retriever.batcher import BatchingSearcher
+from retriever.encoder import resolve_encoder
 from retriever.index import SearchIndex, load_index
+from retriever.manifest import Manifest, check_requested_encoder
 from retriever.metrics import RetrieverMetrics
 
 TOKEN_ENV = "EMAPG_RETRIEVER_TOKEN"
+SETTINGS_ENV = "EMAPG_SERVER_SETTINGS"  # how `serve` hands its settings to uvicorn's worker processes
 
 
 class ServerSettings(BaseModel):
@@ -48,6 +51,7 @@ class ServerSettings(BaseModel):
     query_dtype: Literal["float32", "bfloat16"] = "float32"
     gpu_index: bool = False
     search_params: str | None = None
+    workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
     token: str | None = Field(default=None, repr=False)
 
 
@@ -194,8 +198,33 @@ def app_from_settings(settings: ServerSettings) -> FastAPI:
     return create_app(index, settings)
 
 
+def app_from_environment() -> FastAPI:
+    """The app factory each uvicorn worker process calls: `serve` put the settings in the environment."""
+    return app_from_settings(ServerSettings.model_validate_json(os.environ[SETTINGS_ENV]))
+
+
+def check_index_folder(settings: ServerSettings) -> None:
+    """Refuse a folder that is not an index, or an encoder it was not built with, before any worker starts: once,
+    as a clear error, rather than as a traceback from each worker. Reads only the manifest."""
+    manifest = Manifest.read(settings.index)
+    if settings.encoder is None:
+        return
+    if manifest.encoder is None:
+        raise ValueError(f"index {settings.index} is BM25: it takes no encoder (got {settings.encoder!r})")
+    check_requested_encoder(manifest.encoder, resolve_encoder(settings.encoder))
+
+
 def serve(settings: ServerSettings) -> None:
+    """One process loads the index and serves; with `workers` > 1, uvicorn starts that many processes sharing the
+    port, each loading the index itself (uvicorn needs an app factory it can import for that)."""
     import uvicorn
 
-    app = app_from_settings(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    if settings.workers == 1:
+        uvicorn.run(app_from_settings(settings), host=settings.host, port=settings.port, log_level="info")
+        return
+    check_index_folder(settings)
+    os.environ[SETTINGS_ENV] = settings.model_dump_json()
+    uvicorn.run(
+        "retriever.server:app_from_environment", factory=True, workers=settings.workers, host=settings.host,
+        port=settings.port, log_level="info",
+    )

@@ -30,10 +30,20 @@ class DataConfig(Section):
 
 
 class RetrieverConfig(Section):
-    url: str | None = None  # a running server; None starts one on `index` for the run
+    # A running server, or a list of replicas of one index (requests spread round-robin, failover when one is
+    # down); None starts one on `index` for the run.
+    url: str | list[str] | None = None
     index: Path = Path("artifacts/indexes/wiki-minilm-flat")
     topk: int = Field(3, ge=1)
     timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _urls_are_http(self) -> RetrieverConfig:
+        from retriever.client import retrieve_endpoints
+
+        if self.url is not None:
+            retrieve_endpoints(self.url)  # raises ValueError naming the bad URL
+        return self
 
 
 class RolloutSection(Section):
