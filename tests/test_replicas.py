@@ -12,14 +12,18 @@ import time
 
 import httpx
 import pytest
-import torch
-import torch.nn.functional as F
+from conftest import memorise_search_trajectory
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend
 from agent.rollout import SEARCH_FAILED, RolloutConfig, SearchAgent
 from data.qa import QAExample
-from retriever.client import AsyncRetrieverClient, RetrieverClient, RetrieverError, RetrieverUnavailable
+from retriever.client import (
+    AsyncRetrieverClient,
+    RetrieverClient,
+    RetrieverError,
+    RetrieverUnavailable,
+)
 from retriever.process import free_port, running_server, start_server
 
 A, B, C = "http://a.invalid", "http://b.invalid", "http://c.invalid"
@@ -218,33 +222,8 @@ SEARCHES = ["pride and prejudice", "jane austen"]
 def two_search_model(tiny_model, tokenizer, replicas):
     """The tiny random model after memorising one real trajectory with two searches (search -> real <information>
     -> search -> real <information> -> answer), so greedy decoding searches twice through the real servers."""
-    import copy
-
-    from agent.protocol import observation_ids, prompt_ids, prompt_text
-    from retriever.client import format_hits
-
-    with RetrieverClient(replicas[0]) as client:
-        observations = [format_hits(hits) for hits in client.search(SEARCHES, 3)]
-    ids = prompt_ids(tokenizer, prompt_text(QUESTION.question))
-    mask = [0] * len(ids)
-    for query, observation in zip(SEARCHES, observations, strict=True):
-        turn = tokenizer.encode(f"<search> {query} </search>", add_special_tokens=False)
-        obs = observation_ids(tokenizer, observation, RolloutConfig().max_obs_tokens)
-        ids, mask = ids + turn + obs, mask + [1] * len(turn) + [0] * len(obs)
-    answer = tokenizer.encode("<answer> Jane Austen </answer>", add_special_tokens=False)
-    ids, mask = torch.tensor([ids + answer]), torch.tensor(mask + [1] * len(answer))
-    model = copy.deepcopy(tiny_model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    targets = mask[1:].bool()  # positions whose next token is the model's own
-    for _ in range(500):
-        hidden = model.get_decoder()(ids).last_hidden_state[0, :-1][targets]
-        loss = F.cross_entropy(model.get_output_embeddings()(hidden), ids[0, 1:][targets])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    return model.eval()
+    return memorise_search_trajectory(tiny_model, tokenizer, replicas[0], QUESTION.question, SEARCHES, "Jane Austen",
+                                      RolloutConfig().max_obs_tokens)
 
 
 class KillsReplicaBeforeTurn:

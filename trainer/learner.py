@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import RolloutBatch, autocast, response_logits, scatter_tokens
+from trainer.batch import ResponseLogits, RolloutBatch, autocast, scatter_tokens
 from trainer.config import KLSection, TrainSection
 from trainer.ema import EmaAnchor
 from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
@@ -37,6 +39,11 @@ def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation:
 
 
 class Learner:
+    """One process's learner. Data-parallel (torch.distributed initialised, world size W): every rank holds the
+    same batch; prepare() splits its micro-batches over the ranks and sums the results, update() gives rank r every
+    W-th micro-batch of each mini-batch and DDP sums the gradients, so each optimizer step equals the one-process
+    step on the whole mini-batch."""
+
     def __init__(
         self, policy, anchor: EmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
         temperature: float = 1.0, autocast_kind: str = "none",
@@ -50,13 +57,26 @@ class Learner:
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
         self.autocast_kind = autocast_kind
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        self.policy_logits = ResponseLogits(policy, self.temperature)
+        if self.distributed:
+            from torch.nn.parallel import DistributedDataParallel
 
-    def logits(self, model, mb: RolloutBatch) -> Tensor:
+            # DDP broadcasts rank 0's weights at construction, so every rank starts from the same policy.
+            self.policy_logits = DistributedDataParallel(self.policy_logits)
+
+    def logits(self, mb: RolloutBatch, model=None) -> Tensor:
         """(1, M, V) logits at the micro-batch's M model-token positions (loss_mask), as one packed row: every
         per-token quantity is computed there only, never at observations or padding (nothing is learned there,
-        and they are most of a search trajectory's tokens)."""
-        with autocast(self.autocast_kind, model):
-            return response_logits(model, mb, self.temperature, only=mb.loss_mask)[None]
+        and they are most of a search trajectory's tokens). The policy's by default, else `model`'s."""
+        forward = self.policy_logits if model is None else ResponseLogits(model, self.temperature)
+        with autocast(self.autocast_kind, self.policy):
+            return forward(mb, only=mb.loss_mask)[None]
+
+    def my_share(self, micro_rows: list) -> list:
+        """This rank's micro-batches: every world_size-th (they are length-sorted, so ranks get similar work)."""
+        return micro_rows[self.rank :: self.world_size]
 
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> None:
@@ -70,12 +90,12 @@ class Learner:
         batch.ref_topk_logprobs = torch.zeros(n, width, k, device=device)
         batch.ref_token_logprob = torch.zeros(n, width, device=device)
         self.policy.eval()
-        for rows in micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size):
+        for rows in self.my_share(micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
-            policy_logits = self.logits(self.policy, mb)[0]
-            anchor_logits = self.logits(self.anchor.module, mb)[0]
+            policy_logits = self.logits(mb, self.policy)[0]
+            anchor_logits = self.logits(mb, self.anchor.module)[0]
             source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
             top = source.topk(k, dim=-1).indices if k > 0 else tokens.new_zeros((len(tokens), 0))
             anchor_values = gather_logprobs(anchor_logits, torch.cat([top, tokens], dim=-1))
@@ -83,6 +103,9 @@ class Learner:
             batch.topk_ids[rows, :w] = scatter_tokens(top, mask)
             batch.ref_topk_logprobs[rows, :w] = scatter_tokens(anchor_values[:, :-1], mask)
             batch.ref_token_logprob[rows, :w] = scatter_tokens(anchor_values[:, -1], mask)
+        if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
+            for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
+                dist.all_reduce(values)
 
     def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
         """(N, T) per-token KL estimate; `logits` are the packed (1, M, V) model-token logits."""
@@ -101,14 +124,14 @@ class Learner:
             return scatter_tokens(kl[0], mask)
         if self.kl.estimator == "exact":
             with torch.no_grad():
-                anchor_logits = self.logits(self.anchor.module, mb)
+                anchor_logits = self.logits(mb, self.anchor.module)
             return scatter_tokens(exact_kl(logits, anchor_logits, self.kl.direction)[0], mask)
         return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
 
     def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
         mask = mb.loss_mask
-        logits = self.logits(self.policy, mb)
+        logits = self.logits(mb)
         token_logprob = scatter_tokens(gather_logprobs(logits[0], mb.response_ids[mask][:, None])[:, 0], mask)
         advantages = broadcast_to_tokens(mb.advantages, mask)
         pg_loss, pg_stats = ppo_clip_loss(
@@ -130,14 +153,16 @@ class Learner:
             loss = loss - self.train.entropy_coef * entropy
         stats["entropy"] = float(entropy.detach())
         stats["loss"] = float(loss.detach())
-        (loss * weight).backward()
+        # DDP averages gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
+        (loss * weight * self.world_size).backward()
         return {k: v * weight for k, v in stats.items()}
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
         assert batch.old_logprobs is not None, "call prepare() first"
         self.policy.train()
-        totals: dict[str, float] = defaultdict(float)
+        totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
+        step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
         steps = 0
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
@@ -147,19 +172,28 @@ class Learner:
                 # Length-sorted micro-batches pad less (select() cuts each to its longest response); the
                 # accumulated gradient is the same sum in any order.
                 micro_rows = micro_batches(mini.response_lengths().argsort(), self.train.micro_batch_size)
-                for rows, weight in zip(micro_rows, micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation), strict=True):
-                    if weight == 0.0:
+                shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
+                mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
+                for i, (rows, weight) in enumerate(mine):
+                    if weight == 0.0 and not self.distributed:  # DDP needs every rank's backward passes
                         continue
-                    for key, value in self.micro_loss(mini.select(rows), weight).items():
-                        totals[key] += value
+                    last = i == len(mine) - 1
+                    with self.policy_logits.no_sync() if self.distributed and not last else nullcontext():
+                        for key, value in self.micro_loss(mini.select(rows), weight).items():
+                            totals[key] += value
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
-                totals["grad_norm"] += float(grad_norm)
-                totals["lr"] += self.scheduler.get_last_lr()[0]
+                step_totals["grad_norm"] += float(grad_norm)
+                step_totals["lr"] += self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
                 self.scheduler.step()
                 steps += 1
         self.policy.eval()
-        stats = {k: v / max(steps, 1) for k, v in totals.items()}
+        if self.distributed:  # every rank's share of the micro-batch stats, summed: the whole batch's
+            keys = sorted(totals)
+            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(summed)
+            totals = defaultdict(float, zip(keys, summed.tolist(), strict=True))
+        stats = {k: v / max(steps, 1) for k, v in {**totals, **step_totals}.items()}
         mask = batch.loss_mask
         gap = (batch.sampler_logprobs - batch.old_logprobs).abs()[mask]
         stats["sampler_trainer_logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0

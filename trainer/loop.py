@@ -1,6 +1,7 @@
-"""The EMA-PG training loop (in-process; the Ray driver of the scale-out issue runs the same steps).
+"""The EMA-PG training loop (in-process; trainer.distributed runs the same loop with Ray actors behind it).
 
 Per iteration:
+    0. weight sync: an engine with its own copy of the weights (vLLM) gets the policy's, in place
     1. sample B prompts (a seeded permutation per epoch; the cursor is checkpointed)
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
     3. rewards (EM, + optional format bonus) -> GRPO advantages per group (group id = example id)
@@ -27,7 +28,7 @@ from agent.rollout import RolloutConfig, SearchAgent
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
 from trainer.advantages import grpo_advantages
-from trainer.batch import collate
+from trainer.batch import RolloutBatch, collate
 from trainer.checkpoint import (
     Checkpoint,
     check_compatible,
@@ -127,47 +128,67 @@ def rollout_metrics(trajs: list[Trajectory], scores: list[tuple[float, float, fl
     }
 
 
-class Trainer:
-    """Everything a run holds: policy, anchor, optimizer, data cursor. `run()` trains to cfg.train.iterations."""
+def rollout_config(cfg: TrainConfig) -> RolloutConfig:
+    r = cfg.rollout
+    return RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                         max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode)
 
-    def __init__(self, cfg: TrainConfig, policy, tokenizer, examples: list[QAExample], *, retriever=None,
-                 reward_fn: RewardFn | None = None):
+
+def rollout_backend(cfg: TrainConfig, policy, tokenizer):
+    """The configured rollout engine. transformers samples from `policy` itself; vLLM holds its own copy of the
+    weights, which `Trainer` syncs in place after every update."""
+    r = cfg.rollout
+    if r.backend == "transformers":
+        return TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
+    from agent.policy import resolve_policy
+    from agent.vllm_backend import VLLMBackend
+
+    return VLLMBackend(resolve_policy(cfg.model), dtype=r.dtype or cfg.dtype, seed=cfg.seed,
+                       gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len)
+
+
+class PolicyTrainer:
+    """The learning side of a run in one process: policy, EMA anchor, optimizer and schedule, and the EMA-PG step
+    on a scored batch. The in-process Trainer holds one; under Ray every learner rank holds one (trainer.distributed).
+    """
+
+    def __init__(self, cfg: TrainConfig, policy):
         self.cfg = cfg
         self.policy = policy
-        self.tokenizer = tokenizer
-        self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
         t = cfg.train
+        self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, t.warmup_steps)
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
                                cfg.autocast)
-        self.sampler = PromptSampler(examples, cfg.seed)
-        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
-        r = cfg.rollout
-        self.agent = SearchAgent(
-            TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size), tokenizer, retriever,
-            RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                          max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode),
-        )
-        self.iteration = 0
 
-    def state(self) -> Checkpoint:
-        return Checkpoint(
-            iteration=self.iteration, policy=self.policy.state_dict(), anchor=self.anchor.state_dict(),
-            optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=rng_state(),
-            data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"),
-        )
+    def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
+        """learner.prepare (pi_old, anchor top-k), learner.update (PPO epochs, AdamW), then the EMA anchor update on
+        its period; returns the update's stats and timings."""
+        cfg = self.cfg
+        batch = batch.to(next(self.policy.parameters()).device)
+        start = time.perf_counter()
+        self.learner.prepare(batch)
+        timings = {"time_prepare_s": time.perf_counter() - start}
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+        stats = self.learner.update(batch, generator)
+        timings["time_update_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if should_update_ema(iteration, cfg.ema.period):
+            self.anchor.update(self.policy, cfg.ema.tau)
+        timings["time_ema_s"] = time.perf_counter() - start
+        return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}
 
-    def restore(self, path: Path) -> None:
-        ckpt = load_checkpoint(path)
-        check_compatible(ckpt.config, self.cfg.model_dump(mode="json"), keys=("model", "seed"))
-        self.policy.load_state_dict(ckpt.policy)
-        self.anchor.load_state_dict(ckpt.anchor)
-        self.optimizer.load_state_dict(ckpt.optimizer)
-        self.scheduler.load_state_dict(ckpt.scheduler)
-        self.sampler.restore(ckpt.data_cursor)
-        set_rng_state(ckpt.rng)
-        self.iteration = ckpt.iteration
+    def state(self) -> dict:
+        return {"policy": self.policy.state_dict(), "anchor": self.anchor.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.anchor.load_state_dict(state["anchor"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def init_from(self, path: Path) -> None:
         """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
@@ -175,38 +196,95 @@ class Trainer:
         self.anchor = EmaAnchor(self.policy, dtype=getattr(torch, self.cfg.ema.dtype))
         self.learner.anchor = self.anchor
 
+
+class Trainer:
+    """A run: rollouts, rewards, advantages, the learning step, weight sync, logs and checkpoints. In-process here;
+    `trainer.distributed.RayTrainer` runs the same loop (`step`, `run`) with Ray actors behind `rollout`, `learn`,
+    `sync_weights`, `learner_state` and `load_learner_state`."""
+
+    def __init__(self, cfg: TrainConfig, policy, tokenizer, examples: list[QAExample], *, retriever=None,
+                 reward_fn: RewardFn | None = None, backend=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.sampler = PromptSampler(examples, cfg.seed)
+        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
+        self.iteration = 0
+        # An engine with its own copy of the weights (vLLM) gets the policy's before the first rollout (it loaded the
+        # base model; the run may start from an SFT checkpoint or resume) and after every update.
+        self.weights_stale = True
+        if policy is None:  # a subclass runs the policy elsewhere (Ray actors)
+            return
+        self.learning = PolicyTrainer(cfg, policy)
+        self.backend = backend or rollout_backend(cfg, policy, tokenizer)
+        self.agent = SearchAgent(self.backend, tokenizer, retriever, rollout_config(cfg))
+
+    @property
+    def policy(self):
+        return self.learning.policy
+
+    @property
+    def anchor(self) -> EmaAnchor:
+        return self.learning.anchor
+
+    # --- what a distributed trainer replaces ----------------------------------------------------------------------
+    def rollout(self, examples: list[QAExample], params: SamplingParams) -> list[Trajectory]:
+        return self.agent.rollout(examples, params, self.cfg.train.rollouts_per_prompt)
+
+    def learn(self, batch: RolloutBatch) -> dict[str, float]:
+        return self.learning.train_step(batch, self.iteration)
+
+    def sync_weights(self) -> None:
+        """Copy the policy into the rollout engine in place (vLLM); the transformers backend samples from it."""
+        if self.weights_stale and hasattr(self.backend, "load_weights"):
+            self.backend.load_weights(self.policy.named_parameters())
+        self.weights_stale = False
+
+    def learner_state(self) -> dict:
+        return self.learning.state()
+
+    def load_learner_state(self, state: dict) -> None:
+        self.learning.load_state(state)
+
+    def init_from(self, path: Path) -> None:
+        self.learning.init_from(path)
+        self.weights_stale = True
+
+    # --- the loop ---------------------------------------------------------------------------------------------------
+    def state(self) -> Checkpoint:
+        return Checkpoint(iteration=self.iteration, **self.learner_state(), rng=rng_state(),
+                          data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"))
+
+    def restore(self, path: Path) -> None:
+        ckpt = load_checkpoint(path)
+        check_compatible(ckpt.config, self.cfg.model_dump(mode="json"), keys=("model", "seed"))
+        self.load_learner_state({"policy": ckpt.policy, "anchor": ckpt.anchor, "optimizer": ckpt.optimizer,
+                                 "scheduler": ckpt.scheduler})
+        self.sampler.restore(ckpt.data_cursor)
+        set_rng_state(ckpt.rng)
+        self.iteration = ckpt.iteration
+        self.weights_stale = True
+
     def step(self) -> dict[str, float]:
         """One iteration; returns its metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.iteration += 1
-        timings = {}
+        start = time.perf_counter()
+        self.sync_weights()
+        timings = {"time_weight_sync_s": time.perf_counter() - start}
         start = time.perf_counter()
         examples = self.sampler.next(t.prompts_per_iteration)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens_per_turn, seed=cfg.seed * 1_000_003 + self.iteration)
-        trajs = self.agent.rollout(examples, params, t.rollouts_per_prompt)
+        trajs = self.rollout(examples, params)
         timings["time_rollout_s"] = time.perf_counter() - start
 
-        start = time.perf_counter()
         scores = [self.reward_fn(traj) for traj in trajs]
         advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
                                      normalize_std=t.normalize_adv_std)
-        batch = collate(trajs, advantages, self.tokenizer.pad_token_id or 0).to(next(self.policy.parameters()).device)
-        self.learner.prepare(batch)
-        timings["time_prepare_s"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        generator = torch.Generator().manual_seed(cfg.seed * 7919 + self.iteration)
-        stats = self.learner.update(batch, generator)
-        timings["time_update_s"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        if should_update_ema(self.iteration, cfg.ema.period):
-            self.anchor.update(self.policy, cfg.ema.tau)
-        timings["time_ema_s"] = time.perf_counter() - start
+        stats = self.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0))
+        self.weights_stale = True
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
-        return {**rollout_metrics(trajs, scores), **stats, "anchor_distance": self.anchor.distance(self.policy),
-                **timings}
+        return {**rollout_metrics(trajs, scores), **stats, **timings}
 
     def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
         """Train to iteration `until` (default: the configured total), so a caller can pause to evaluate."""

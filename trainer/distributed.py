@@ -1,0 +1,190 @@
+"""Scale-out on Ray: rollout workers (one engine each) and learner ranks (torch.distributed + DDP) as actors, driven
+by the same loop as the in-process trainer (`Trainer.step` / `Trainer.run`).
+
+    driver (RayTrainer)            prompts -> split over workers -> trajectories -> rewards, advantages, batch
+      RolloutWorker x W            SearchAgent over its own engine (vLLM or transformers) and retriever client
+      LearnerRank x R              PolicyTrainer: prepare + update (DDP: gradients summed over ranks) + EMA anchor
+    after each update              rank 0's weights -> object store -> every worker's engine, in place
+
+Every rank gets the whole batch (one object in Ray's store) and works on its share of the micro-batches; every rank
+holds the whole policy and anchor under DDP and applies the same EMA update to its own copy, so all ranks stay
+identical (tests check them). `distributed.address`: None starts a local cluster, "auto" joins `ray start`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import torch
+
+from agent.backend import Generation, SamplingParams
+from agent.trajectory import Trajectory
+from data.qa import QAExample
+from retriever.process import free_port
+from trainer.batch import RolloutBatch
+from trainer.config import TrainConfig
+from trainer.loop import (
+    PolicyTrainer,
+    Trainer,
+    rollout_backend,
+    rollout_config,
+    seed_everything,
+)
+
+# Each rollout worker's seeds are offset by this much, so two workers never draw the same random stream.
+WORKER_SEED_STRIDE = 1_000_003 * 7
+
+
+def _policy(cfg: TrainConfig, device: str):
+    from agent.policy import load_policy
+
+    return load_policy(cfg.model, cfg.dtype, device)
+
+
+class RolloutWorker:
+    """A Ray actor: one rollout engine, one retriever client, the multi-turn agent."""
+
+    def __init__(self, cfg_json: dict):
+        from agent.policy import load_tokenizer
+        from agent.rollout import SearchAgent
+        from retriever.client import RetrieverClient
+
+        cfg = TrainConfig.model_validate(cfg_json)
+        self.tokenizer = load_tokenizer(cfg.model)
+        # The transformers engine samples from a policy copy of its own; vLLM loads the model folder itself.
+        self.policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
+            if cfg.rollout.backend == "transformers" else None
+        self.backend = rollout_backend(cfg, self.policy, self.tokenizer)
+        client = None
+        if cfg.rollout.mode != "direct":
+            client = RetrieverClient(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s)
+        self.agent = SearchAgent(self.backend, self.tokenizer, client, rollout_config(cfg))
+
+    def rollout(self, examples: list[QAExample], params: SamplingParams, samples: int) -> list[Trajectory]:
+        return self.agent.rollout(examples, params, samples)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.policy is not None:
+            self.policy.load_state_dict(weights)
+        else:
+            self.backend.load_weights(weights.items())
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        """A greedy continuation with its log-probs: what the engine's weights are, seen from outside."""
+        return self.backend.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_tokens), [])[0]
+
+
+class LearnerRank:
+    """A Ray actor: one torch.distributed rank holding a PolicyTrainer (policy, EMA anchor, AdamW)."""
+
+    def __init__(self, cfg_json: dict, rank: int, world_size: int, master: str):
+        import torch.distributed as dist
+
+        cfg = TrainConfig.model_validate(cfg_json)
+        if cfg.distributed.strategy == "fsdp":
+            raise NotImplementedError("distributed.strategy=fsdp is not implemented yet; use ddp")
+        cuda = cfg.distributed.gpus_per_learner_rank > 0
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master.split(":")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+        seed_everything(cfg.seed)
+        # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is cuda:0.
+        self.learning = PolicyTrainer(cfg, _policy(cfg, "cuda" if cuda else "cpu"))
+
+    def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
+        return self.learning.train_step(batch, iteration)
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        # The full state dict (tied output layer included, as its own copy): workers load it strictly.
+        return {name: t.detach().to("cpu").clone() for name, t in self.learning.policy.state_dict().items()}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last optimizer step's gradients (for tests: set_to_none happens at the next step's start)."""
+        return {name: p.grad.detach().to("cpu") for name, p in self.learning.policy.named_parameters()
+                if p.grad is not None}
+
+    def state(self) -> dict:
+        return self.learning.state()
+
+    def load_state(self, state: dict) -> None:
+        self.learning.load_state(state)
+
+    def init_from(self, path: str) -> None:
+        self.learning.init_from(Path(path))
+
+
+def start_ray(cfg: TrainConfig) -> None:
+    if ray.is_initialized():
+        return
+    d = cfg.distributed
+    if d.address is not None:
+        ray.init(address=d.address)
+        return
+    # A local cluster: logical CPUs are only a scheduling count; every actor asks for one.
+    ray.init(num_cpus=max(os.cpu_count() or 1, d.rollout_workers + d.learner_ranks),
+             include_dashboard=False, log_to_driver=True)
+
+
+class RayTrainer(Trainer):
+    """The in-process Trainer's loop, with rollouts, learning and weight sync on Ray actors."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, examples: list[QAExample], *, reward_fn=None):
+        super().__init__(cfg, None, tokenizer, examples, reward_fn=reward_fn)
+        start_ray(cfg)
+        d = cfg.distributed
+        cfg_json = cfg.model_dump(mode="json")
+        worker = ray.remote(num_cpus=1, num_gpus=d.gpus_per_rollout_worker)(RolloutWorker)
+        rank = ray.remote(num_cpus=1, num_gpus=d.gpus_per_learner_rank)(LearnerRank)
+        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        self.workers = [worker.remote(cfg_json) for _ in range(d.rollout_workers)]
+        self.ranks = [rank.remote(cfg_json, r, d.learner_ranks, master) for r in range(d.learner_ranks)]
+
+    def rollout(self, examples: list[QAExample], params: SamplingParams) -> list[Trajectory]:
+        chunks = split_evenly(examples, len(self.workers))
+        g = self.cfg.train.rollouts_per_prompt
+        futures = [w.rollout.remote(chunk, worker_params(params, i), g)
+                   for i, (w, chunk) in enumerate(zip(self.workers, chunks, strict=True)) if chunk]
+        return [traj for part in ray.get(futures) for traj in part]
+
+    def learn(self, batch: RolloutBatch) -> dict[str, float]:
+        batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
+        stats = ray.get([r.train_step.remote(batch_ref, self.iteration) for r in self.ranks])
+        return stats[0]  # all-reduced inside the update: every rank reports the same numbers
+
+    def sync_weights(self) -> None:
+        if self.weights_stale:
+            weights = self.ranks[0].policy_weights.remote()  # the ranks are identical (DDP)
+            ray.get([w.load_weights.remote(weights) for w in self.workers])
+        self.weights_stale = False
+
+    def learner_state(self) -> dict:
+        return ray.get(self.ranks[0].state.remote())
+
+    def load_learner_state(self, state: dict) -> None:
+        ref = ray.put(state)
+        ray.get([r.load_state.remote(ref) for r in self.ranks])
+
+    def init_from(self, path: Path) -> None:
+        ray.get([r.init_from.remote(str(path)) for r in self.ranks])
+        self.weights_stale = True
+
+    def shutdown(self) -> None:
+        for actor in self.workers + self.ranks:
+            ray.kill(actor)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """Contiguous, sizes differing by at most one: a group's prompts stay on one worker (G samples each)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def worker_params(params: SamplingParams, worker: int) -> SamplingParams:
+    return params if params.seed is None else replace(params, seed=params.seed + worker * WORKER_SEED_STRIDE)
