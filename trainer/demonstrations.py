@@ -32,7 +32,8 @@ HIT_THINK = "<think> Doc {doc} has the answer. </think>\n"
 
 # Words dropped to make the short first query of a two-search demonstration (it usually retrieves worse).
 _QUERY_STOPWORDS = frozenset(
-    ["who", "what", "when", "where", "which", "why", "how", "whom", "whose", "is", "was", "are", "were", "the", "a", "an", "of", "in", "on", "at", "to", "for", "by", "with", "from", "did", "does", "do", "has", "have", "had", "be", "been", "as", "that", "this", "it", "its", "name", "and", "or"]
+    "who what when where which why how whom whose is was are were the a an of in on at to for by with from did "
+    "does do has have had be been as that this it its name and or".split()
 )
 
 
