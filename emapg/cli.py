@@ -344,7 +344,10 @@ def train(
 
             # The actors reach the same retriever(s) as this driver: the URLs in use, including a started server's.
             cfg.retriever.url = client.urls if client is not None else None
-            trainer = RayTrainer(cfg, tokenizer, examples)
+            try:
+                trainer = RayTrainer(cfg, tokenizer, examples)
+            except NotImplementedError as e:
+                _fail(str(e))
         else:
             trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import Generator, Sequence
 
@@ -123,6 +124,9 @@ class _ClientBase:
         self.topk = topk
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self.max_queries_per_request = max_queries_per_request
+        # The server reads its token from EMAPG_RETRIEVER_TOKEN; a client in the same environment (a training run,
+        # a compose service) sends the same one unless given another.
+        token = token if token is not None else os.environ.get("EMAPG_RETRIEVER_TOKEN") or None
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self.backoff_s = backoff_s

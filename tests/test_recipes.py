@@ -37,9 +37,9 @@ def test_gpu_recipe_uses_vllm_and_ray_colocated_on_its_gpus(name, gpus):
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_gpu_recipe_keeps_fp32_master_weights_under_bf16_autocast(name):
     """AdamW at lr 1e-6 cannot move bf16 weights (the step is below half an ulp), so the recipes keep fp32
-    parameters and run the passes in bf16."""
+    parameters and run the passes in bf16; the vLLM engine samples in bf16 (its memory budget assumes it)."""
     cfg = load_config(CONFIGS / name)
-    assert (cfg.dtype, cfg.autocast, cfg.ema.dtype) == ("float32", "bfloat16", "float32")
+    assert (cfg.dtype, cfg.autocast, cfg.ema.dtype, cfg.rollout.dtype) == ("float32", "bfloat16", "float32", "bfloat16")
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)

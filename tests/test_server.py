@@ -94,7 +94,8 @@ def test_health_and_metrics(server_url):
     assert "/retrieve" in httpx.get(server_url + "/openapi.json").json()["paths"]
 
 
-def test_bearer_token(dense_index_dir):
+def test_bearer_token(dense_index_dir, monkeypatch):
+    from retriever.client import RetrieverClient
     from retriever.process import running_server
 
     with running_server(dense_index_dir, env={"EMAPG_RETRIEVER_TOKEN": "s3cret"}) as url:
@@ -104,6 +105,9 @@ def test_bearer_token(dense_index_dir):
         assert httpx.get(url + "/health").status_code == 200  # for load balancers and docker healthchecks
         ok = post(url, {"queries": ["x"]}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+        monkeypatch.setenv("EMAPG_RETRIEVER_TOKEN", "s3cret")  # a run in the server's environment sends its token
+        with RetrieverClient(url, retries=0) as client:
+            assert len(client.search(["x"])[0]) > 0
 
 
 def test_binds_to_loopback_by_default():

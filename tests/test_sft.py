@@ -172,6 +172,14 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
                            env=env, timeout=300)
     assert train.returncode == 0, train.stdout + train.stderr
     assert list((run_dir / "checkpoints").glob("iter-000001"))
+    # The same under Ray (a local cluster it starts): 2 rollout workers reaching the server, 2 gloo DDP learner ranks
+    # starting from the SFT policy.
+    ray_run = subprocess.run([*run, "train", "--init", str(run_dir / "sft"), *common, "name=e2e-ray",
+                              "distributed.backend=ray", "distributed.rollout_workers=2", "distributed.learner_ranks=2",
+                              "train.micro_batch_size=1"], capture_output=True, text=True, env=env, timeout=600)
+    assert ray_run.returncode == 0, ray_run.stdout + ray_run.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "e2e-ray" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["sampler_trainer_logprob_gap_max"] < 1e-3
     # A bad override is refused, naming the field.
     bad = subprocess.run([*run, "sft", *common, "sft.lrr=1"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "sft.lrr" in bad.stdout

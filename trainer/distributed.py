@@ -72,26 +72,34 @@ class RolloutWorker:
         else:
             self.backend.load_weights(weights.items())
 
+    def ready(self) -> bool:
+        return True
+
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> Generation:
         """A greedy continuation with its log-probs: what the engine's weights are, seen from outside."""
         return self.backend.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_tokens), [])[0]
 
 
 class LearnerRank:
-    """A Ray actor: one torch.distributed rank holding a PolicyTrainer (policy, EMA anchor, AdamW)."""
+    """A Ray actor: one torch.distributed rank holding a PolicyTrainer (policy, EMA anchor, AdamW). Made in two
+    steps: rank 0's node address is only known once it is placed (it may be on another node than the driver)."""
 
-    def __init__(self, cfg_json: dict, rank: int, world_size: int, master: str):
+    def __init__(self, cfg_json: dict):
+        self.cfg = TrainConfig.model_validate(cfg_json)
+
+    def rendezvous_address(self) -> str:
+        """host:port on this actor's node for torch.distributed's rendezvous (asked of rank 0)."""
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def start(self, rank: int, world_size: int, master: str) -> None:
         import torch.distributed as dist
 
-        cfg = TrainConfig.model_validate(cfg_json)
-        if cfg.distributed.strategy == "fsdp":
-            raise NotImplementedError("distributed.strategy=fsdp is not implemented yet; use ddp")
-        cuda = cfg.distributed.gpus_per_learner_rank > 0
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master.split(":")
+        cuda = self.cfg.distributed.gpus_per_learner_rank > 0
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master.rsplit(":", 1)
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        seed_everything(cfg.seed)
+        seed_everything(self.cfg.seed)
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is cuda:0.
-        self.learning = PolicyTrainer(cfg, _policy(cfg, "cuda" if cuda else "cpu"))
+        self.learning = PolicyTrainer(self.cfg, _policy(self.cfg, "cuda" if cuda else "cpu"))
 
     def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
         return self.learning.train_step(batch, iteration)
@@ -115,6 +123,28 @@ class LearnerRank:
         self.learning.init_from(Path(path))
 
 
+def placement(d) -> tuple[list[dict], list[dict]]:
+    """Ray options for each rollout worker and each learner rank. With GPUs and as many workers as ranks, worker i
+    and rank i share bundle i of a placement group (one GPU's worth): fractional GPU requests alone would let Ray put
+    two engines on one GPU and two ranks on another."""
+    workers = [{"num_cpus": 1, "num_gpus": d.gpus_per_rollout_worker}] * d.rollout_workers
+    ranks = [{"num_cpus": 1, "num_gpus": d.gpus_per_learner_rank}] * d.learner_ranks
+    gpus = d.gpus_per_rollout_worker + d.gpus_per_learner_rank
+    if gpus == 0 or d.rollout_workers != d.learner_ranks:
+        return workers, ranks
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 2, "GPU": gpus}] * d.learner_ranks, strategy="PACK")
+    ray.get(group.ready())
+
+    def pinned(options: list[dict]) -> list[dict]:
+        return [{**o, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)}
+                for i, o in enumerate(options)]
+
+    return pinned(workers), pinned(ranks)
+
+
 def start_ray(cfg: TrainConfig) -> None:
     if ray.is_initialized():
         return
@@ -131,15 +161,22 @@ class RayTrainer(Trainer):
     """The in-process Trainer's loop, with rollouts, learning and weight sync on Ray actors."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, examples: list[QAExample], *, reward_fn=None):
+        if cfg.distributed.strategy == "fsdp":  # refused before any actor starts
+            raise NotImplementedError("distributed.strategy=fsdp is not implemented yet; use ddp (every rank then "
+                                      "holds the whole policy, anchor and optimizer state)")
         super().__init__(cfg, None, tokenizer, examples, reward_fn=reward_fn)
         start_ray(cfg)
         d = cfg.distributed
         cfg_json = cfg.model_dump(mode="json")
-        worker = ray.remote(num_cpus=1, num_gpus=d.gpus_per_rollout_worker)(RolloutWorker)
-        rank = ray.remote(num_cpus=1, num_gpus=d.gpus_per_learner_rank)(LearnerRank)
-        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
-        self.workers = [worker.remote(cfg_json) for _ in range(d.rollout_workers)]
-        self.ranks = [rank.remote(cfg_json, r, d.learner_ranks, master) for r in range(d.learner_ranks)]
+        worker_options, rank_options = placement(d)
+        worker = ray.remote(RolloutWorker)
+        self.workers = [worker.options(**o).remote(cfg_json) for o in worker_options]
+        # Engines first: vLLM sizes its KV cache from the GPU memory free when it starts.
+        ray.get([w.ready.remote() for w in self.workers])
+        rank = ray.remote(LearnerRank)
+        self.ranks = [rank.options(**o).remote(cfg_json) for o in rank_options]
+        master = ray.get(self.ranks[0].rendezvous_address.remote())
+        ray.get([r.start.remote(i, len(self.ranks), master) for i, r in enumerate(self.ranks)])
 
     def rollout(self, examples: list[QAExample], params: SamplingParams) -> list[Trajectory]:
         chunks = split_evenly(examples, len(self.workers))
