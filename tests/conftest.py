@@ -88,19 +88,23 @@ def tokenizer():
     return load_tokenizer()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
-    """A 2-layer random Llama over SmolLM2's vocabulary: real shapes and tokenizer, seconds on CPU."""
+def tiny_llama(tokenizer, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+    """A 2-layer random Llama over SmolLM2's vocabulary (seed 0): real shapes and tokenizer, seconds on CPU."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return tiny_llama(tokenizer)
 
 
 @pytest.fixture(scope="session")

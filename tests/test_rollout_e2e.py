@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import memorise_search_trajectory
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend, sample_tokens
@@ -12,7 +13,6 @@ from agent.rollout import RolloutConfig, SearchAgent
 from data.qa import QAExample
 from retriever.client import RetrieverClient, RetrieverError
 from retriever.process import free_port
-
 
 EXAMPLES = [
     QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t"),
@@ -92,31 +92,8 @@ def test_top_p_sampling_never_draws_outside_the_nucleus():
 def protocol_model(tiny_model, tokenizer, server_url):
     """The tiny model after memorising one real protocol trajectory (search -> real <information> -> answer):
     greedy decoding then walks the search and answer branches for real, through the real server."""
-    import copy
-
-    from agent.protocol import observation_ids, prompt_ids, prompt_text
-    from retriever.client import format_hits
-
-    with RetrieverClient(server_url) as client:
-        hits = client.search(["pride and prejudice"], 3)[0]
-    turn1 = tokenizer.encode("<search> pride and prejudice </search>", add_special_tokens=False)
-    obs = observation_ids(tokenizer, format_hits(hits), RolloutConfig().max_obs_tokens)
-    turn2 = tokenizer.encode("<answer> Jane Austen </answer>", add_special_tokens=False)
-    prompt = prompt_ids(tokenizer, prompt_text(EXAMPLES[0].question))
-    ids = torch.tensor([prompt + turn1 + obs + turn2])
-    mask = torch.tensor([[0] * len(prompt) + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)])
-    model = copy.deepcopy(tiny_model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    targets = mask[0, 1:].bool()  # positions whose next token is the model's own
-    for _ in range(300):
-        hidden = model.get_decoder()(ids).last_hidden_state[0, :-1][targets]
-        loss = F.cross_entropy(model.get_output_embeddings()(hidden), ids[0, 1:][targets])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
-    return model.eval()
+    return memorise_search_trajectory(tiny_model, tokenizer, server_url, EXAMPLES[0].question, ["pride and prejudice"],
+                                      "Jane Austen", RolloutConfig().max_obs_tokens)
 
 
 def test_search_and_answer_branches_end_to_end(protocol_model, tokenizer, server_url):

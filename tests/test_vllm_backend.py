@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import memorise_search_trajectory
+from conftest import memorise_search_trajectory, tiny_llama
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend
@@ -31,16 +31,8 @@ ROLLOUT = RolloutConfig(max_turns=2, max_tokens_per_turn=16, max_obs_tokens=128)
 
 @pytest.fixture(scope="module")
 def random_model(tokenizer):
-    """A 2-layer random Llama with head size 64: near-uniform next-token distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
+    """A 2-layer random Llama with 2 heads of 64: near-uniform next-token distributions."""
+    return tiny_llama(tokenizer, hidden=128, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="module")
