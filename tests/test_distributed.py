@@ -1,5 +1,5 @@
-"""Ray scale-out on a local cluster: 2 rollout workers and 2 learner ranks (gloo DDP) give the one-process update
-exactly, hold identical weights, and run the training loop.
+"""Ray scale-out on a local cluster: 2 rollout workers and 2 learner ranks (gloo; DDP, and FSDP2 sharding) give the
+one-process update exactly, hold identical weights, save and restore their state, and run the training loop.
 
 The rollout workers use the transformers engine here (a vLLM engine per actor would take minutes to start on
 2 cores; tests/test_vllm_backend.py covers vLLM and its weight sync).
@@ -42,10 +42,11 @@ def local_ray():
     ray.shutdown()
 
 
-def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, strategy):
     from trainer.distributed import RayTrainer
 
-    cfg = ray_config(tmp_path, tiny_model_dir)
+    cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}")
     trajectories = ragged_trajectories(len(tokenizer), n=8)
     advantages = torch.linspace(-1.0, 1.0, 8)
     batch = collate(trajectories, advantages, pad_id=0)
@@ -61,15 +62,25 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         gradients = ray.get([rank.gradients.remote() for rank in trainer.ranks])
         states = ray.get([rank.state.remote() for rank in trainer.ranks])
         for name, param in single.policy.named_parameters():
-            for rank_gradients in gradients:  # DDP's sum over ranks = the one-process mini-batch gradient
+            for rank_gradients in gradients:  # the ranks' summed gradient = the one-process mini-batch gradient
                 torch.testing.assert_close(rank_gradients[name], param.grad, rtol=1e-4, atol=1e-6)
-        for key in ("loss", "policy_loss", "kl", "entropy"):
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "anchor_distance"):
             assert stats[key] == pytest.approx(single_stats[key], rel=1e-4, abs=1e-6), key
-        for part in ("policy", "anchor"):  # every rank holds the same policy and the same EMA anchor, bit for bit
+        if strategy == "ddp":  # every rank holds the same policy and the same EMA anchor, bit for bit
+            for part in ("policy", "anchor"):
+                for name, value in states[0][part].items():
+                    torch.testing.assert_close(states[1][part][name], value, rtol=0, atol=0)
+        else:  # sharded: rank 0 gathers the full state, the others answer empty
+            assert states[1]["policy"] == {} and states[1]["anchor"] == {}
+        for part, reference in (("policy", single.policy.state_dict()), ("anchor", single.anchor.state_dict())):
+            for name, value in reference.items():
+                torch.testing.assert_close(states[0][part][name], value, rtol=1e-4, atol=1e-6)
+
+        trainer.load_learner_state(states[0])  # what a resume does: the full state back into every rank
+        again = trainer.learner_state()
+        for part in ("policy", "anchor"):
             for name, value in states[0][part].items():
-                torch.testing.assert_close(states[1][part][name], value, rtol=0, atol=0)
-        for name, value in single.policy.state_dict().items():
-            torch.testing.assert_close(states[0]["policy"][name], value, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(again[part][name], value, rtol=0, atol=0)
 
         trainer.sync_weights()  # rank 0's weights into both workers' engines
         prompt = tokenizer.encode("who wrote pride and prejudice?")

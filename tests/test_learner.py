@@ -107,7 +107,7 @@ def test_packed_update_equals_the_full_logits_reference(tiny_model, tokenizer):
     with torch.no_grad():
         old = gather_logprobs(response_logits(reference, batch), ids[..., None])[..., 0]
         top = response_logits(reference, batch).topk(4, dim=-1).indices
-        anchor = gather_logprobs(response_logits(learner.anchor.module, batch), torch.cat([top, ids[..., None]], -1))
+        anchor = gather_logprobs(response_logits(learner.anchor_logits.model, batch), torch.cat([top, ids[..., None]], -1))
     torch.testing.assert_close(batch.old_logprobs[mask], old[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch.ref_token_logprob[mask], anchor[..., -1][mask], rtol=1e-5, atol=1e-5)
     assert torch.equal(batch.topk_ids[mask], top[mask])

@@ -124,7 +124,8 @@ class DistributedSection(Section):
     address: str | None = None  # None: start a local Ray cluster; "auto": join the one `ray start` made
     rollout_workers: int = Field(1, ge=1)  # one rollout engine each; prompts are split between them
     learner_ranks: int = Field(1, ge=1)  # torch.distributed world size (data parallel over micro-batches)
-    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: GPU only (shards policy, anchor and optimizer state)
+    # ddp: every rank holds policy, anchor and optimizer state whole; fsdp: sharded over the ranks (FSDP2)
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     gpus_per_rollout_worker: float = Field(0.0, ge=0)
     gpus_per_learner_rank: float = Field(0.0, ge=0)
 
@@ -177,8 +178,6 @@ class TrainConfig(Section):
                 f"distributed.learner_ranks ({d.learner_ranks}) x train.micro_batch_size ({self.train.micro_batch_size})"
                 f" must divide train.mini_batch_size ({self.train.mini_batch_size})"
             )
-        if d.strategy == "fsdp" and d.gpus_per_learner_rank == 0:
-            raise ValueError("distributed.strategy=fsdp needs GPUs (distributed.gpus_per_learner_rank > 0)")
         return self
 
     @property

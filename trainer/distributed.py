@@ -106,12 +106,13 @@ class LearnerRank:
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         # The full state dict (tied output layer included, as its own copy): workers load it strictly.
-        return {name: t.detach().to("cpu").clone() for name, t in self.learning.policy.state_dict().items()}
+        return {name: t.clone() for name, t in self.learning.policy_state().items()}
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The last optimizer step's gradients (for tests: set_to_none happens at the next step's start)."""
-        return {name: p.grad.detach().to("cpu") for name, p in self.learning.policy.named_parameters()
-                if p.grad is not None}
+        """The last optimizer step's gradients, whole (for tests: set_to_none happens at the next step's start).
+        Sharded: a collective that gathers every shard."""
+        return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().to("cpu")
+                for name, p in self.learning.policy.named_parameters() if p.grad is not None}
 
     def state(self) -> dict:
         return self.learning.state()
@@ -161,9 +162,6 @@ class RayTrainer(Trainer):
     """The in-process Trainer's loop, with rollouts, learning and weight sync on Ray actors."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, examples: list[QAExample], *, reward_fn=None):
-        if cfg.distributed.strategy == "fsdp":  # refused before any actor starts
-            raise NotImplementedError("distributed.strategy=fsdp is not implemented yet; use ddp (every rank then "
-                                      "holds the whole policy, anchor and optimizer state)")
         super().__init__(cfg, None, tokenizer, examples, reward_fn=reward_fn)
         start_ray(cfg)
         d = cfg.distributed
@@ -190,14 +188,22 @@ class RayTrainer(Trainer):
         stats = ray.get([r.train_step.remote(batch_ref, self.iteration) for r in self.ranks])
         return stats[0]  # all-reduced inside the update: every rank reports the same numbers
 
+    def from_rank_0(self, method: str):
+        """Rank 0's answer. Sharded (FSDP), gathering full tensors is a collective: every rank is asked, the others
+        answer empty. Under DDP the ranks are identical and rank 0 alone is asked."""
+        ranks = self.ranks if self.cfg.distributed.strategy == "fsdp" else self.ranks[:1]
+        refs = [getattr(r, method).remote() for r in ranks]
+        ray.wait(refs, num_returns=len(refs))
+        return refs[0]
+
     def sync_weights(self) -> None:
         if self.weights_stale:
-            weights = self.ranks[0].policy_weights.remote()  # the ranks are identical (DDP)
+            weights = self.from_rank_0("policy_weights")
             ray.get([w.load_weights.remote(weights) for w in self.workers])
         self.weights_stale = False
 
     def learner_state(self) -> dict:
-        return ray.get(self.ranks[0].state.remote())
+        return ray.get(self.from_rank_0("state"))
 
     def load_learner_state(self, state: dict) -> None:
         ref = ray.put(state)

@@ -21,6 +21,11 @@ from torch import Tensor, nn
 _BUCKET_NUMEL = 1 << 28
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a sharded (FSDP DTensor) parameter; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def should_update_ema(iteration: int, period: int) -> bool:
     """True after the actor update of iterations period, 2 * period, ... (iterations counted from 1)."""
     if iteration < 1 or period < 1:
@@ -63,7 +68,11 @@ class EmaAnchor:
                 param.data = param.data.to(dtype)
         # named_parameters() drops duplicates of tied weights, in the same order for the policy and its copy.
         self._names = [name for name, _ in self.module.named_parameters()]
-        self._params = [param for _, param in self.module.named_parameters()]
+
+    @property
+    def _params(self) -> list[Tensor]:
+        # Read each time: FSDP replaces the module's parameters with sharded ones after this anchor is made.
+        return [param for _, param in self.module.named_parameters()]
 
     def _policy_params(self, policy: nn.Module) -> list[Tensor]:
         named = list(policy.named_parameters())
@@ -79,6 +88,8 @@ class EmaAnchor:
         for anchor_param, policy_param in zip(self._params, self._policy_params(policy), strict=True):
             if not anchor_param.is_floating_point():
                 continue
+            # Sharded (FSDP) policy and anchor are sharded alike: each rank averages its own shards.
+            anchor_param, policy_param = _local(anchor_param), _local(policy_param)
             anchor_bucket.append(anchor_param)
             policy_bucket.append(policy_param.to(device=anchor_param.device, dtype=anchor_param.dtype))
             numel += anchor_param.numel()
@@ -99,12 +110,24 @@ class EmaAnchor:
             torch._foreach_lerp_(anchor_bucket, policy_bucket, 1.0 - tau)  # a + w (b - a), w = 1 - tau
 
     @torch.no_grad()
-    def distance(self, policy: nn.Module) -> float:
-        """L2 norm of (theta_ema - theta) over all parameters, computed in fp32 (for logging)."""
-        sum_sq = torch.zeros((), dtype=torch.float64)
+    def reset_to(self, policy: nn.Module) -> None:
+        """theta_ema <- theta (cast to the anchor's dtype), in place: e.g. when RL starts from an SFT checkpoint."""
         for anchor_param, policy_param in zip(self._params, self._policy_params(policy), strict=True):
+            _local(anchor_param).copy_(_local(policy_param).to(dtype=anchor_param.dtype))
+
+    @torch.no_grad()
+    def distance(self, policy: nn.Module) -> float:
+        """L2 norm of (theta_ema - theta) over all parameters, computed in fp32 (for logging). Sharded (FSDP)
+        parameters: each rank sums the squares of its own shards, then the ranks' sums are added."""
+        sharded = False
+        sum_sq = torch.zeros((), dtype=torch.float64, device=self._params[0].device)
+        for anchor_param, policy_param in zip(self._params, self._policy_params(policy), strict=True):
+            sharded = sharded or hasattr(anchor_param, "to_local")
+            anchor_param, policy_param = _local(anchor_param), _local(policy_param)
             diff = anchor_param.float() - policy_param.to(device=anchor_param.device, dtype=torch.float32)
-            sum_sq += diff.square().sum().double().cpu()
+            sum_sq += diff.square().sum().double()
+        if sharded:
+            torch.distributed.all_reduce(sum_sq)
         return float(sum_sq.sqrt())
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -38,18 +38,31 @@ def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation:
     return [c / total if total else 0.0 for c in counts]
 
 
+def fsdp_logits(model, temperature: float, mesh) -> ResponseLogits:
+    """FSDP2 over `mesh`: each decoder layer is one unit (its full weights exist only during its forward and
+    backward), the rest (embeddings, final norm, tied output layer) belongs to the root. The root is the
+    ResponseLogits wrapper, not the causal LM: the learner never calls the LM's own forward, and FSDP gathers a
+    root's weights in the root's forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(ResponseLogits(model, temperature), mesh=mesh)
+
+
 class Learner:
     """One process's learner. Data-parallel (torch.distributed initialised, world size W): every rank holds the
     same batch; prepare() splits its micro-batches over the ranks and sums the results, update() gives rank r every
-    W-th micro-batch of each mini-batch and DDP sums the gradients, so each optimizer step equals the one-process
-    step on the whole mini-batch."""
+    W-th micro-batch of each mini-batch and DDP (or FSDP, when given sharded `policy_logits` / `anchor_logits` from
+    `fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on the whole mini-batch.
+    Under FSDP every rank must run the same number of passes (they gather weights together): the config makes the
+    micro-batches a multiple of W."""
 
     def __init__(
         self, policy, anchor: EmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
-        temperature: float = 1.0, autocast_kind: str = "none",
+        temperature: float = 1.0, autocast_kind: str = "none", policy_logits=None, anchor_logits=None,
     ):
         self.policy = policy
-        self.anchor = anchor
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.train = train
@@ -59,20 +72,30 @@ class Learner:
         self.autocast_kind = autocast_kind
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
-        self.policy_logits = ResponseLogits(policy, self.temperature)
-        if self.distributed:
+        self.policy_logits = policy_logits or ResponseLogits(policy, self.temperature)
+        self.anchor_logits = anchor_logits or ResponseLogits(anchor.module, self.temperature)
+        self.sharded = hasattr(self.policy_logits, "set_requires_gradient_sync")  # an FSDP2 module
+        if self.distributed and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
             # DDP broadcasts rank 0's weights at construction, so every rank starts from the same policy.
             self.policy_logits = DistributedDataParallel(self.policy_logits)
 
-    def logits(self, mb: RolloutBatch, model=None) -> Tensor:
+    def logits(self, mb: RolloutBatch, anchor: bool = False) -> Tensor:
         """(1, M, V) logits at the micro-batch's M model-token positions (loss_mask), as one packed row: every
         per-token quantity is computed there only, never at observations or padding (nothing is learned there,
-        and they are most of a search trajectory's tokens). The policy's by default, else `model`'s."""
-        forward = self.policy_logits if model is None else ResponseLogits(model, self.temperature)
+        and they are most of a search trajectory's tokens). The policy's, or the anchor's."""
         with autocast(self.autocast_kind, self.policy):
-            return forward(mb, only=mb.loss_mask)[None]
+            return (self.anchor_logits if anchor else self.policy_logits)(mb, only=mb.loss_mask)[None]
+
+    def gradient_sync(self, enabled: bool):
+        """Context for one backward: with `enabled` False, gradients only accumulate locally (all but a rank's last
+        micro-batch of a mini-batch); the last one's backward sums them over the ranks."""
+        if self.distributed and self.sharded:
+            self.policy_logits.set_requires_gradient_sync(enabled)
+        elif self.distributed and not enabled:
+            return self.policy_logits.no_sync()
+        return nullcontext()
 
     def my_share(self, micro_rows: list) -> list:
         """This rank's micro-batches: every world_size-th (they are length-sorted, so ranks get similar work)."""
@@ -94,8 +117,8 @@ class Learner:
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
-            policy_logits = self.logits(mb, self.policy)[0]
-            anchor_logits = self.logits(mb, self.anchor.module)[0]
+            policy_logits = self.logits(mb)[0]
+            anchor_logits = self.logits(mb, anchor=True)[0]
             source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
             top = source.topk(k, dim=-1).indices if k > 0 else tokens.new_zeros((len(tokens), 0))
             anchor_values = gather_logprobs(anchor_logits, torch.cat([top, tokens], dim=-1))
@@ -106,6 +129,14 @@ class Learner:
         if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
             for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
                 dist.all_reduce(values)
+        self.reshard()
+
+    def reshard(self) -> None:
+        """FSDP keeps a root's weights gathered after a forward pass with no backward (the root expects one next):
+        free them, so the anchor's EMA update and the optimizer see shards on both sides."""
+        if self.sharded:
+            self.policy_logits.reshard()
+            self.anchor_logits.reshard()
 
     def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
         """(N, T) per-token KL estimate; `logits` are the packed (1, M, V) model-token logits."""
@@ -124,7 +155,7 @@ class Learner:
             return scatter_tokens(kl[0], mask)
         if self.kl.estimator == "exact":
             with torch.no_grad():
-                anchor_logits = self.logits(mb, self.anchor.module)
+                anchor_logits = self.logits(mb, anchor=True)
             return scatter_tokens(exact_kl(logits, anchor_logits, self.kl.direction)[0], mask)
         return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
 
@@ -153,7 +184,7 @@ class Learner:
             loss = loss - self.train.entropy_coef * entropy
         stats["entropy"] = float(entropy.detach())
         stats["loss"] = float(loss.detach())
-        # DDP averages gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
+        # DDP and FSDP average gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
         (loss * weight * self.world_size).backward()
         return {k: v * weight for k, v in stats.items()}
 
@@ -177,17 +208,19 @@ class Learner:
                 for i, (rows, weight) in enumerate(mine):
                     if weight == 0.0 and not self.distributed:  # DDP needs every rank's backward passes
                         continue
-                    last = i == len(mine) - 1
-                    with self.policy_logits.no_sync() if self.distributed and not last else nullcontext():
+                    with self.gradient_sync(enabled=i == len(mine) - 1):
                         for key, value in self.micro_loss(mini.select(rows), weight).items():
                             totals[key] += value
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                    grad_norm = grad_norm.full_tensor()
                 step_totals["grad_norm"] += float(grad_norm)
                 step_totals["lr"] += self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
                 self.scheduler.step()
                 steps += 1
         self.policy.eval()
+        self.reshard()
         if self.distributed:  # every rank's share of the micro-batch stats, summed: the whole batch's
             keys = sorted(totals)
             summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)

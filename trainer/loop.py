@@ -41,7 +41,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import TrainConfig
 from trainer.ema import EmaAnchor, should_update_ema
-from trainer.learner import Learner
+from trainer.learner import Learner, fsdp_logits
 from trainer.reward import reward
 
 RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
@@ -150,6 +150,8 @@ def rollout_backend(cfg: TrainConfig, policy, tokenizer):
 class PolicyTrainer:
     """The learning side of a run in one process: policy, EMA anchor, optimizer and schedule, and the EMA-PG step
     on a scored batch. The in-process Trainer holds one; under Ray every learner rank holds one (trainer.distributed).
+    With torch.distributed initialised and `distributed.strategy=fsdp`, policy and anchor are sharded the same way
+    over the ranks (each rank updates its own shard of the anchor) and the optimizer holds only this rank's shard.
     """
 
     def __init__(self, cfg: TrainConfig, policy):
@@ -157,10 +159,20 @@ class PolicyTrainer:
         self.policy = policy
         t = cfg.train
         self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
+        self.sharded = cfg.distributed.strategy == "fsdp" and torch.distributed.is_initialized()
+        logits = {}
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(next(policy.parameters()).device.type, (torch.distributed.get_world_size(),))
+            temperature = cfg.rollout.temperature or 1.0
+            logits = {"policy_logits": fsdp_logits(policy, temperature, mesh),
+                      "anchor_logits": fsdp_logits(self.anchor.module, temperature, mesh)}
+        # After sharding: the optimizer must hold the sharded parameters.
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, t.warmup_steps)
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
-                               cfg.autocast)
+                               cfg.autocast, **logits)
 
     def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
         """learner.prepare (pi_old, anchor top-k), learner.update (PPO epochs, AdamW), then the EMA anchor update on
@@ -180,21 +192,70 @@ class PolicyTrainer:
         timings["time_ema_s"] = time.perf_counter() - start
         return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}
 
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights on CPU (for the rollout engines). Sharded: a collective, as `state()`."""
+        if not self.sharded:
+            return {name: t.detach().to("cpu") for name, t in self.policy.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def state(self) -> dict:
-        return {"policy": self.policy.state_dict(), "anchor": self.anchor.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Full (unsharded) tensors. Sharded: a collective (every rank must call it); rank 0 gets the state on CPU,
+        the others empty dicts."""
+        if not self.sharded:
+            return {"policy": self.policy.state_dict(), "anchor": self.anchor.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        anchor = get_model_state_dict(self.anchor.module, options=full)
+        return {"policy": get_model_state_dict(self.policy, options=full),
+                "anchor": {name: anchor[name] for name in self.anchor.state_dict()} if anchor else {},
+                "optimizer": get_optimizer_state_dict(self.policy, self.optimizer, options=full),
+                "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.anchor.load_state_dict(state["anchor"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """From `state()`'s full tensors (every rank gets the same dict; sharded, each keeps its own shard)."""
+        if not self.sharded:
+            self.policy.load_state_dict(state["policy"])
+            self.anchor.load_state_dict(state["anchor"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.policy, state["policy"], options=full)
+            # The anchor's state names tied weights once; the tied copy is the same parameter.
+            set_model_state_dict(self.anchor.module, state["anchor"], options=StateDictOptions(full_state_dict=True,
+                                                                                              strict=False))
+            set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], options=full)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def init_from(self, path: Path) -> None:
         """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
-        self.policy.load_state_dict(load_policy_weights(path))
-        self.anchor = EmaAnchor(self.policy, dtype=getattr(torch, self.cfg.ema.dtype))
-        self.learner.anchor = self.anchor
+        weights = load_policy_weights(path)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(self.policy, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.policy.load_state_dict(weights)
+        self.anchor.reset_to(self.policy)
 
 
 class Trainer:
