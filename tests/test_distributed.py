@@ -72,9 +72,11 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
                     torch.testing.assert_close(states[1][part][name], value, rtol=0, atol=0)
         else:  # sharded: rank 0 gathers the full state, the others answer empty
             assert states[1]["policy"] == {} and states[1]["anchor"] == {}
+        # After one AdamW step at lr 0.01: Adam divides by sqrt(v), so a gradient's float-summation noise shows up to
+        # ~lr x 1e-3 in a weight (measured 2.6e-6 with 2 threads per process); 1e-5 is still 1,000x below the step.
         for part, reference in (("policy", single.policy.state_dict()), ("anchor", single.anchor.state_dict())):
             for name, value in reference.items():
-                torch.testing.assert_close(states[0][part][name], value, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(states[0][part][name], value, rtol=1e-4, atol=1e-5)
 
         trainer.load_learner_state(states[0])  # what a resume does: the full state back into every rank
         again = trainer.learner_state()
