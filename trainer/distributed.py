@@ -1,14 +1,15 @@
-"""Scale-out on Ray: rollout workers (one engine each) and learner ranks (torch.distributed + DDP) as actors, driven
-by the same loop as the in-process trainer (`Trainer.step` / `Trainer.run`).
+"""Scale-out on Ray: rollout workers (one engine each) and learner ranks (torch.distributed: DDP or FSDP2) as
+actors, driven by the same loop as the in-process trainer (`Trainer.step` / `Trainer.run`).
 
     driver (RayTrainer)            prompts -> split over workers -> trajectories -> rewards, advantages, batch
       RolloutWorker x W            SearchAgent over its own engine (vLLM or transformers) and retriever client
-      LearnerRank x R              PolicyTrainer: prepare + update (DDP: gradients summed over ranks) + EMA anchor
+      LearnerRank x R              PolicyTrainer: prepare + update (gradients summed over ranks) + EMA anchor
     after each update              rank 0's weights -> object store -> every worker's engine, in place
 
-Every rank gets the whole batch (one object in Ray's store) and works on its share of the micro-batches; every rank
-holds the whole policy and anchor under DDP and applies the same EMA update to its own copy, so all ranks stay
-identical (tests check them). `distributed.address`: None starts a local cluster, "auto" joins `ray start`'s.
+Every rank gets the whole batch (one object in Ray's store) and works on its share of the micro-batches. Under DDP
+every rank holds the whole policy and anchor and applies the same EMA update to its own copy, so all ranks stay
+identical; under FSDP each rank holds and updates its shard of both (tests check both against one process).
+`distributed.address`: None starts a local cluster, "auto" joins the one `ray start` made.
 """
 
 from __future__ import annotations
