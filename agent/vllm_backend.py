@@ -8,7 +8,8 @@ What makes it exact for RL:
   - `logprobs_mode="processed_logprobs"`: the log-prob of each sampled id under the distribution it was drawn from
     (after temperature and top-p), the quantity the transformers backend reports and the learner's pi_old
     recomputes. vLLM's default (raw_logprobs) is the pre-temperature distribution;
-  - every prompt gets its own seed (seed + row): one seed for all rows would give G identical samples per group;
+  - every prompt gets its own seed (seed x SEED_STRIDE + row): one seed for all rows would give a group's G samples
+    identical draws;
   - `load_weights` copies new policy weights into the running engine in place (no reload from disk, no restart),
     and the prefix cache, which holds keys/values of the old weights, is dropped.
 """
