@@ -3,6 +3,9 @@
 Both variants start from the same SFT weights with the same seeds, data order and budget; the only differences
 are `ema.tau` (1.0: a fixed reference) and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared) and
 every `eval_every` iterations. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
+
+A two-hour job must survive an interrupted session: run again, it picks up what is on disk (the SFT checkpoint,
+finished evaluations, each variant's latest checkpoint) and computes only the rest.
 """
 
 from __future__ import annotations
@@ -68,9 +71,24 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
     plt.close(fig)
 
 
+def held_out_eval(cfg, policy, tokenizer, client, test, name: str, out_dir: Path) -> dict:
+    """Pooled held-out EM of `policy`, or of the evaluation an earlier (interrupted) run saved in `out_dir`."""
+    from eval.harness import EvalReport
+
+    if (out_dir / "report.json").exists():
+        console.print(f"{name}: reusing {out_dir / 'report.json'}")
+        return pooled(EvalReport.load(out_dir / "report.json"))
+    return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out"))
+
+
+def last_per_iteration(metrics: list[dict]) -> list[dict]:
+    """A resumed run logs the iterations after its checkpoint again: keep each iteration's latest line."""
+    return sorted({m["iteration"]: m for m in metrics}.values(), key=lambda m: m["iteration"])
+
+
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
-    from trainer.checkpoint import load_policy_weights
+    from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.loop import Trainer, seed_everything
 
     out = cfg.run_dir
@@ -80,6 +98,9 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     with connect_retriever(cfg, log=out / "server.log") as (client, tag):
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
+        if init is None and latest_checkpoint(cfg.sft_dir) is not None:
+            init = cfg.sft_dir  # an earlier run's SFT
+            console.print(f"reusing the SFT checkpoint in {init}")
         if init is None:  # no SFT checkpoint given: make one, shared by both variants
             console.rule("SFT warm start")
             init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
@@ -87,21 +108,33 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
         sft_weights = load_policy_weights(init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)
-        start = pooled(run_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft", "held-out"))
+        start = held_out_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft")
         for name in VARIANTS:
             console.rule(name)
             vcfg = variant_config(cfg, name)
             seed_everything(vcfg.seed)
             policy.load_state_dict(sft_weights)
             trainer = Trainer(vcfg, policy, tokenizer, train, retriever=client)  # anchor starts at SFT
+            if (checkpoint := latest_checkpoint(vcfg.run_dir)) is not None:
+                trainer.restore(checkpoint)
+                console.print(f"{name}: resuming from {checkpoint}")
             held_out[name] = [(0, start)]
+            # Evaluations before the resumed iteration were saved by the run that got there (their policies are gone).
+            for iteration in range(eval_every, trainer.iteration + 1, eval_every):
+                folder = vcfg.run_dir / f"eval-{iteration:04d}"
+                if iteration < trainer.iteration and not (folder / "report.json").exists():
+                    raise FileNotFoundError(f"{folder / 'report.json'} is missing and iteration {iteration}'s policy is "
+                                            f"gone (resuming at {trainer.iteration}): delete {vcfg.run_dir} to redo {name}")
+                held_out[name].append((iteration, held_out_eval(vcfg, policy, tokenizer, client, test,
+                                                                f"{name} @ {iteration}", folder)))
             while trainer.iteration < vcfg.train.iterations:
                 trainer.run(progress=print_iteration, until=trainer.iteration + eval_every)
-                report = run_eval(vcfg, policy, tokenizer, client, test, f"{name} @ {trainer.iteration}",
-                                  vcfg.run_dir / f"eval-{trainer.iteration:04d}", "held-out")
-                held_out[name].append((trainer.iteration, pooled(report)))
+                held_out[name].append((trainer.iteration, held_out_eval(
+                    vcfg, policy, tokenizer, client, test, f"{name} @ {trainer.iteration}",
+                    vcfg.run_dir / f"eval-{trainer.iteration:04d}")))
                 console.print(f"{name} iteration {trainer.iteration}: held-out EM {held_out[name][-1][1]['em']:.3f}")
-    curves = {name: read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl") for name in VARIANTS}
+    curves = {name: last_per_iteration(read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl"))
+              for name in VARIANTS}
     lines = [f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
              f"{(time.perf_counter() - begin) / 60:.0f} min.", "",
              "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",

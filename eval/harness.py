@@ -113,6 +113,13 @@ class EvalReport:
         lines += [f"| {m} | {em:.3f} |" for m, em in self.averages.items()]
         return "\n".join(lines) + "\n"
 
+    @classmethod
+    def load(cls, path: Path) -> EvalReport:
+        """A report from its `report.json` (what `save` wrote)."""
+        raw = json.loads(Path(path).read_text())
+        results = [DatasetResult(**{**r, "em_ci95": tuple(r["em_ci95"])}) for r in raw.pop("results")]
+        return cls(**raw, results=results)
+
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "report.json").write_text(json.dumps(asdict(self), indent=2))

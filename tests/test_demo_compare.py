@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from emapg.compare import VARIANTS, variant_config
+from emapg.compare import VARIANTS, last_per_iteration, variant_config
 from emapg.demo import pooled, report_markdown
 from eval.harness import DatasetResult, EvalReport, wilson_interval
 from trainer.config import load_config
@@ -33,3 +33,18 @@ def test_compare_variants_differ_only_in_anchor_and_estimator(tmp_path):
             assert grpo[key] == emapg[key] == cfg.model_dump()[key], key
     assert {k: v for k, v in grpo["kl"].items() if k != "estimator"} == \
         {k: v for k, v in emapg["kl"].items() if k != "estimator"}
+
+
+def test_saved_report_loads_back_equal(tmp_path):
+    report = EvalReport(model="m", subset="s", results=[result("nq", 10, 0.5), result("triviaqa", 30, 0.1)],
+                        seconds=12.5)
+    report.finish()
+    report.save(tmp_path)
+    assert EvalReport.load(tmp_path / "report.json") == report  # what a resumed `make compare` reuses
+
+
+def test_a_resumed_runs_repeated_iterations_keep_their_last_line():
+    logged = [{"iteration": 1, "reward": 0.1}, {"iteration": 2, "reward": 0.2}, {"iteration": 3, "reward": 0.3},
+              {"iteration": 2, "reward": 0.25}, {"iteration": 3, "reward": 0.35}]  # resumed from iteration 1
+    assert last_per_iteration(logged) == [{"iteration": 1, "reward": 0.1}, {"iteration": 2, "reward": 0.25},
+                                          {"iteration": 3, "reward": 0.35}]
