@@ -206,7 +206,7 @@ class Learner:
                 shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
                 mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
                 for i, (rows, weight) in enumerate(mine):
-                    if weight == 0.0 and not self.distributed:  # DDP needs every rank's backward passes
+                    if weight == 0.0 and not self.distributed:  # DDP/FSDP need every rank's backward passes
                         continue
                     with self.gradient_sync(enabled=i == len(mine) - 1):
                         for key, value in self.micro_loss(mini.select(rows), weight).items():
@@ -223,7 +223,8 @@ class Learner:
         self.reshard()
         if self.distributed:  # every rank's share of the micro-batch stats, summed: the whole batch's
             keys = sorted(totals)
-            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+            # On the model's device: NCCL reduces only GPU tensors.
+            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=batch.loss_mask.device)
             dist.all_reduce(summed)
             totals = defaultdict(float, zip(keys, summed.tolist(), strict=True))
         stats = {k: v / max(steps, 1) for k, v in {**totals, **step_totals}.items()}
