@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -154,9 +153,8 @@ def search(
     """Query a running retriever and print the hits."""
     from retriever.client import RetrieverClient, RetrieverError
 
-    token = os.environ.get("EMAPG_RETRIEVER_TOKEN")
-    try:
-        with RetrieverClient(url or "http://127.0.0.1:8000", topk=topk, token=token, retries=2) as client:
+    try:  # the client sends EMAPG_RETRIEVER_TOKEN from the environment itself
+        with RetrieverClient(url or "http://127.0.0.1:8000", topk=topk, retries=2) as client:
             results = client.search(queries)
     except ValueError as e:
         _fail(f"--url: {e}")

@@ -168,13 +168,12 @@ def run_eval(cfg, policy, tokenizer, client, datasets: dict[str, list[QAExample]
              subset: str):
     """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings."""
     from agent.hf_backend import TransformersBackend
-    from agent.rollout import RolloutConfig
     from eval.harness import evaluate
+    from trainer.loop import rollout_config
 
     r = cfg.rollout
-    config = RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                           max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk)
     backend = TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
-    return evaluate(backend, tokenizer, client, datasets, ["agent"], config, model_name=name, subset=subset,
-                    out_dir=out_dir, batch_size=r.batch_size)
+    # evaluate() sets the mode ("agent") itself; the rest is the run's rollout shape.
+    return evaluate(backend, tokenizer, client, datasets, ["agent"], rollout_config(cfg), model_name=name,
+                    subset=subset, out_dir=out_dir, batch_size=r.batch_size)
 

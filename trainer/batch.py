@@ -37,8 +37,8 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """Every tensor moved to `device` (the learner's; collate builds on CPU)."""
-        return RolloutBatch(**{f.name: (v.to(device) if isinstance(v, Tensor) else v)
-                               for f in fields(self) for v in [getattr(self, f.name)]})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
 
     def response_lengths(self) -> Tensor:
         return self.attention_mask[:, self.prompt_width :].sum(-1)

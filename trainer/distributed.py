@@ -107,7 +107,7 @@ class LearnerRank:
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         # The full state dict (tied output layer included, as its own copy): workers load it strictly.
-        return {name: t.clone() for name, t in self.learning.policy_state().items()}
+        return self.learning.policy_state()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last optimizer step's gradients, whole (for tests: set_to_none happens at the next step's start).

@@ -193,15 +193,17 @@ class PolicyTrainer:
         return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights on CPU (for the rollout engines). Sharded: a collective, as `state()`."""
+        """The policy's full weights on CPU (for the rollout engines), one independent copy per name: tied weights
+        come back as separate tensors, which safetensors (vLLM's sync) requires. Sharded: a collective, as `state()`."""
         if not self.sharded:
-            return {name: t.detach().to("cpu") for name, t in self.policy.state_dict().items()}
+            return {name: t.detach().to("cpu", copy=True) for name, t in self.policy.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
         )
 
-        return get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: t.clone() for name, t in full.items()}
 
     def state(self) -> dict:
         """Full (unsharded) tensors. Sharded: a collective (every rank must call it); rank 0 gets the state on CPU,
