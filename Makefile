@@ -43,7 +43,7 @@ test: setup
 demo: setup
 	$(PY) -m emapg.cli demo --index $(INDEX) $(DEMO_ARGS)
 
-# GRPO against EMA-PG from one SFT checkpoint (configs/cpu_compare.yaml), about 2 hours on 2 cores.
+# GRPO against EMA-PG from one SFT checkpoint (configs/cpu_compare.yaml), about 2.3 hours on 2 cores; resumes if interrupted.
 compare: setup
 	$(PY) -m emapg.cli compare --index $(INDEX) $(COMPARE_ARGS)
 

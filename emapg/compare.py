@@ -86,6 +86,15 @@ def last_per_iteration(metrics: list[dict]) -> list[dict]:
     return sorted({m["iteration"]: m for m in metrics}.values(), key=lambda m: m["iteration"])
 
 
+def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]]) -> float:
+    """Training and evaluation time summed from the logs, which count the work of an interrupted earlier run too
+    (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation."""
+    training = sum(value for metrics in curves.values() for m in metrics
+                   for key, value in m.items() if key.startswith("time_"))
+    evaluations = {id(p): p["seconds"] for points in held_out.values() for _, p in points}  # SFT's is shared
+    return (training + sum(evaluations.values())) / 60
+
+
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
@@ -135,8 +144,9 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
                 console.print(f"{name} iteration {trainer.iteration}: held-out EM {held_out[name][-1][1]['em']:.3f}")
     curves = {name: last_per_iteration(read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl"))
               for name in VARIANTS}
-    lines = [f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
-             f"{(time.perf_counter() - begin) / 60:.0f} min.", "",
+    lines = [(f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
+              f"{(time.perf_counter() - begin) / 60:.0f} min (this run); training and evaluation "
+              f"{work_minutes(curves, held_out):.0f} min (all runs, from the logs; SFT not counted)."), "",
              "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",
              "|---|---|---|---|---|---|"]
     for name, points in held_out.items():

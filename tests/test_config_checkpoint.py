@@ -13,12 +13,13 @@ from trainer.checkpoint import (
     check_compatible,
     latest_checkpoint,
     load_checkpoint,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from trainer.config import ConfigError, load_config
-
 
 
 def test_overrides_and_errors_name_the_field(tmp_path):
@@ -91,3 +92,27 @@ def test_keeps_the_newest_and_refuses_another_model(tmp_path):
     assert latest_checkpoint(tmp_path).name == "iter-000030"
     with pytest.raises(CheckpointError, match="model='tiny'"):
         check_compatible({"model": "tiny"}, {"model": "other"})
+
+
+def test_optimizer_state_by_name_maps_to_torch_format_and_back():
+    """torch.distributed.checkpoint's state dict (by name; what FSDP gives) becomes AdamW's own (by position), with a
+    tied weight counted once, and back."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5))
+    model[0].weight = model[2].weight  # tied, as SmolLM2's embedding and head: one parameter, two names
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2])).square().sum().backward()
+    optimizer.step()
+    names = [name for name, _ in model.named_parameters()]
+    by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+    by_index = optimizer_state_by_index(by_name, names)
+    torch.testing.assert_close(by_index, optimizer.state_dict(), rtol=0, atol=0)
+    back = optimizer_state_by_name(by_index, names)
+    assert back["param_groups"] == by_name["param_groups"]
+    torch.testing.assert_close(back["state"], by_name["state"], rtol=0, atol=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from emapg.compare import VARIANTS, last_per_iteration, variant_config
+from emapg.compare import VARIANTS, last_per_iteration, variant_config, work_minutes
 from emapg.demo import pooled, report_markdown
 from eval.harness import DatasetResult, EvalReport, wilson_interval
 from trainer.config import load_config
@@ -48,3 +48,11 @@ def test_a_resumed_runs_repeated_iterations_keep_their_last_line():
               {"iteration": 2, "reward": 0.25}, {"iteration": 3, "reward": 0.35}]  # resumed from iteration 1
     assert last_per_iteration(logged) == [{"iteration": 1, "reward": 0.1}, {"iteration": 2, "reward": 0.25},
                                           {"iteration": 3, "reward": 0.35}]
+
+
+def test_work_minutes_sum_every_timed_phase_and_count_the_shared_start_once():
+    curves = {"GRPO": [{"iteration": 1, "reward": 0.5, "time_rollout_s": 60.0, "time_update_s": 30.0}],
+              "EMA-PG": [{"iteration": 1, "time_rollout_s": 90.0, "time_ema_s": 0.0}]}
+    sft = {"em": 0.2, "seconds": 120.0}
+    held_out = {"GRPO": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})], "EMA-PG": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})]}
+    assert work_minutes(curves, held_out) == (60 + 30 + 90 + 120 + 60 + 60) / 60

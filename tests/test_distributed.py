@@ -78,6 +78,15 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
             for name, value in reference.items():
                 torch.testing.assert_close(states[0][part][name], value, rtol=1e-4, atol=1e-6)
 
+        # One checkpoint format whatever the sharding: AdamW's moments by parameter position, equal to the
+        # one-process ones, and a Ray run's state resumes in one process.
+        assert states[0]["optimizer"]["param_groups"] == single.state()["optimizer"]["param_groups"]
+        torch.testing.assert_close(states[0]["optimizer"]["state"], single.state()["optimizer"]["state"],
+                                   rtol=1e-4, atol=1e-6)
+        single.load_state(states[0])
+        torch.testing.assert_close(single.state()["optimizer"]["state"], states[0]["optimizer"]["state"], rtol=0,
+                                   atol=0)
+
         trainer.load_learner_state(states[0])  # what a resume does: the full state back into every rank
         again = trainer.learner_state()
         for part in ("policy", "anchor"):

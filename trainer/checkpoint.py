@@ -165,6 +165,24 @@ def load_checkpoint(path: Path) -> Checkpoint:
     )
 
 
+def optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (torch.distributed.checkpoint's full state dict, what FSDP gives)
+    in torch's own format, keyed by the parameter's position in `names` (the model's `named_parameters()` order, the
+    order the optimizer was built with). Checkpoints hold this one format whatever the run's sharding, so a run on
+    8 FSDP ranks resumes in one process and the reverse."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_index`."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
 def check_compatible(ckpt_config: dict[str, Any], config: dict[str, Any], keys: tuple[str, ...] = ("model",)) -> None:
     """Refuse to resume a run whose model (or other named key) differs from the checkpoint's."""
     for key in keys:

@@ -35,6 +35,8 @@ from trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_policy_weights,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -171,6 +173,7 @@ class PolicyTrainer:
         # After sharding: the optimizer must hold the sharded parameters.
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, t.warmup_steps)
+        self.parameter_names = [name for name, _ in policy.named_parameters()]  # the optimizer's parameter order
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
                                cfg.autocast, **logits)
 
@@ -219,9 +222,10 @@ class PolicyTrainer:
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         anchor = get_model_state_dict(self.anchor.module, options=full)
+        optimizer = get_optimizer_state_dict(self.policy, self.optimizer, options=full)
         return {"policy": get_model_state_dict(self.policy, options=full),
                 "anchor": {name: anchor[name] for name in self.anchor.state_dict()} if anchor else {},
-                "optimizer": get_optimizer_state_dict(self.policy, self.optimizer, options=full),
+                "optimizer": optimizer_state_by_index(optimizer, self.parameter_names) if optimizer else {},
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, state: dict) -> None:
@@ -242,7 +246,8 @@ class PolicyTrainer:
             # The anchor's state names tied weights once; the tied copy is the same parameter.
             set_model_state_dict(self.anchor.module, state["anchor"], options=StateDictOptions(full_state_dict=True,
                                                                                               strict=False))
-            set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], options=full)
+            set_optimizer_state_dict(self.policy, self.optimizer,
+                                     optimizer_state_by_name(state["optimizer"], self.parameter_names), options=full)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def init_from(self, path: Path) -> None:
