@@ -115,3 +115,8 @@ class VLLMBackend:
         weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
         self.llm.collective_rpc("load_policy_weights", args=(save(weights),))
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine's process now (otherwise it is stopped at interpreter exit, when a test runner may have
+        closed the streams its shutdown logs to)."""
+        self.llm.llm_engine.engine_core.shutdown()

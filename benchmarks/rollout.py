@@ -111,6 +111,7 @@ def time_vllm(policy, prompts, params) -> dict:
     startup = time.perf_counter() - start
     run(backend, prompts[:1], replace(params, max_tokens=8), STOPS)  # warm-up
     generations, seconds = run(backend, prompts, params, STOPS)
+    backend.close()
     generated = sum(len(g.token_ids) for g in generations)
     return {"generated_tokens": generated, "seconds": round(seconds, 1), "tokens_per_s": round(generated / seconds, 1),
             "turns_ending_in_tag": sum(g.finish_reason == "stop" for g in generations),

