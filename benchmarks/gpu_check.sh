@@ -26,7 +26,8 @@ PY
 # KL estimators in the loss at Qwen's vocabulary (time, memory: Top-k against exact), EMA update against AdamW.
 "$PYTHON" benchmarks/kl.py --device cuda --vocab 151936
 # The learner's bf16 step at Qwen's vocabulary: a small model (the code path), then Qwen2.5-1.5B's shape with
-# configs/gpu_1x.yaml's micro-batch of 1 (its memory and tokens/s against the README's estimates).
+# configs/gpu_1x.yaml's micro-batch of 1, without and with activation checkpointing (memory and tokens/s against
+# the README's estimates).
 "$PYTHON" benchmarks/train_step.py --device cuda --vocab 151936
 "$PYTHON" benchmarks/train_step.py --device cuda --vocab 151936 --hidden 1536 --layers 28 --heads 12 \
-  --intermediate 8960 --micro 1 --steps 2
+  --intermediate 8960 --micro 1 --steps 2 --gradient-checkpointing both

@@ -6,11 +6,13 @@ trainer runs on a GPU and sizes a step there; on CPU it runs the same code with 
 Trajectories are synthetic but shaped like search rollouts: a prompt, then model turns (loss_mask 1) alternating
 with observations (loss_mask 0), turn lengths varying by row so micro-batches are cut to different widths.
 Times are the best of --steps after one warm-up step; peak memory is CUDA's max_memory_allocated (weights,
-optimizer state and anchor included), or the process's peak RSS on CPU.
+optimizer state and anchor included), or the process's peak RSS on CPU. `--gradient-checkpointing both` runs the
+step twice, in fresh processes (peak memory does not reset), without and with activation checkpointing, and prints
+both and their ratios.
 
     python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
         [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
-        [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
+        [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3] [--gradient-checkpointing off|on|both]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import math
 import platform
 import resource
+import subprocess
 import sys
 import time
 
@@ -29,7 +32,7 @@ from agent.trajectory import Trajectory
 from trainer.batch import RolloutBatch, collate
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
-from trainer.learner import Learner
+from trainer.learner import Learner, enable_gradient_checkpointing
 from trainer.loop import warmup_schedule
 
 
@@ -82,7 +85,11 @@ def main() -> None:
     ap.add_argument("--obs-tokens", type=int, default=300)
     ap.add_argument("--autocast", default="bfloat16", choices=["none", "bfloat16"])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gradient-checkpointing", default="off", choices=["off", "on", "both"])
     args = ap.parse_args()
+    if args.gradient_checkpointing == "both":
+        compare_checkpointing()
+        return
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
@@ -100,9 +107,11 @@ def main() -> None:
     cfg = load_config(overrides=[
         f"train.prompts_per_iteration={args.trajectories}", "train.rollouts_per_prompt=1",
         f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
-        f"autocast={args.autocast}",
+        f"autocast={args.autocast}", f"train.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
     ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
     anchor = EmaAnchor(policy)
+    if cfg.train.gradient_checkpointing:  # as PolicyTrainer: after the anchor's copy
+        enable_gradient_checkpointing(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
                                   weight_decay=cfg.train.weight_decay)
     learner = Learner(policy, anchor, optimizer, warmup_schedule(optimizer, cfg.train.warmup_steps), cfg.train,
@@ -139,7 +148,7 @@ def main() -> None:
     tokens = int(batch.attention_mask.sum())
     print(json.dumps({
         "benchmark": "train_step", "device": device, "device_name": device_name(device),
-        "torch": torch.__version__, "autocast": args.autocast,
+        "torch": torch.__version__, "autocast": args.autocast, "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params": sum(p.numel() for p in policy.parameters())},
         "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
@@ -149,6 +158,23 @@ def main() -> None:
         "peak_memory_gb": round(peak / 1e9, 3), "peak_memory_measure": measure,
         "loss": round(stats["loss"], 6), "kl": stats["kl"], "grad_norm": round(stats["grad_norm"], 6),
     }))
+
+
+def compare_checkpointing() -> None:
+    """This script's step without and with activation checkpointing, each in a fresh process, then the ratios."""
+    argv = [a for a in sys.argv[1:] if a not in ("--gradient-checkpointing", "both", "--gradient-checkpointing=both")]
+    results = {}
+    for mode in ("off", "on"):
+        out = subprocess.run([sys.executable, __file__, *argv, "--gradient-checkpointing", mode],
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            sys.exit(f"--gradient-checkpointing {mode} failed:\n{out.stderr[-2000:]}")
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    off, on = results["off"], results["on"]
+    print(json.dumps({"benchmark": "train_step_gradient_checkpointing", "off": off, "on": on,
+                      "update_s_on_over_off": round(on["update_s"] / off["update_s"], 3),
+                      "peak_memory_on_over_off": round(on["peak_memory_gb"] / off["peak_memory_gb"], 3),
+                      "loss_equal": on["loss"] == off["loss"]}))
 
 
 if __name__ == "__main__":

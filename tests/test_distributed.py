@@ -1,5 +1,6 @@
 """Ray scale-out on a local cluster: 2 rollout workers and 2 learner ranks (gloo; DDP, and FSDP2 sharding) give the
-one-process update exactly, hold identical weights, save and restore their state, and run the training loop.
+one-process update exactly (FSDP2 with activation checkpointing), hold identical weights, save and restore their
+state, and run the training loop.
 
 The rollout workers use the transformers engine here (a vLLM engine per actor would take minutes to start on
 2 cores; tests/test_vllm_backend.py covers vLLM and its weight sync).
@@ -46,7 +47,9 @@ def local_ray():
 def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, strategy):
     from trainer.distributed import RayTrainer
 
-    cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}")
+    # FSDP with activation checkpointing (the GPU recipes' setting): the one-process reference checkpoints too.
+    checkpointing = f"train.gradient_checkpointing={strategy == 'fsdp'}"
+    cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}", checkpointing)
     trajectories = ragged_trajectories(len(tokenizer), n=8)
     advantages = torch.linspace(-1.0, 1.0, 8)
     batch = collate(trajectories, advantages, pad_id=0)

@@ -1,5 +1,6 @@
 """The GPU check's pieces on CPU: benchmarks/train_step.py (the learner's bf16 step on a random Qwen2 model) runs
-and prints its JSON line; benchmarks/gpu_check.sh refuses to pass without CUDA."""
+without and with activation checkpointing and prints its JSON line; benchmarks/gpu_check.sh refuses to pass without
+CUDA."""
 
 from __future__ import annotations
 
@@ -16,22 +17,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_train_step_benchmark_runs_on_cpu_and_prints_one_json_line():
+def test_train_step_benchmark_runs_on_cpu_with_and_without_checkpointing_and_prints_one_json_line():
     tiny = ["--device", "cpu", "--vocab", "4096", "--hidden", "64", "--heads", "4", "--layers", "2",
             "--trajectories", "4", "--micro", "2", "--prompt-tokens", "16", "--turns", "2", "--turn-tokens", "16",
-            "--obs-tokens", "16", "--steps", "1"]
+            "--obs-tokens", "16", "--steps", "1", "--gradient-checkpointing", "both"]
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *tiny], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
-    result = json.loads(lines[0])
-    assert (result["benchmark"], result["device"], result["autocast"]) == ("train_step", "cpu", "bfloat16")
-    assert result["model"]["vocab"] == 4096
-    assert result["optimizer_steps"] == 1  # one mini-batch: the whole batch
-    assert 0 < result["model_tokens"] < result["tokens"]  # observations and prompts are masked out
-    assert result["step_s"] > 0 and result["tokens_per_s"] > 0 and result["peak_memory_gb"] > 0
-    assert all(math.isfinite(result[k]) for k in ("loss", "kl", "grad_norm"))
+    both = json.loads(lines[0])
+    assert both["benchmark"] == "train_step_gradient_checkpointing" and both["loss_equal"] is True
+    for checkpointing, result in ((False, both["off"]), (True, both["on"])):
+        assert (result["benchmark"], result["device"], result["autocast"]) == ("train_step", "cpu", "bfloat16")
+        assert result["gradient_checkpointing"] is checkpointing
+        assert result["model"]["vocab"] == 4096
+        assert result["optimizer_steps"] == 1  # one mini-batch: the whole batch
+        assert 0 < result["model_tokens"] < result["tokens"]  # observations and prompts are masked out
+        assert result["step_s"] > 0 and result["tokens_per_s"] > 0 and result["peak_memory_gb"] > 0
+        assert all(math.isfinite(result[k]) for k in ("loss", "kl", "grad_norm"))
+    assert both["update_s_on_over_off"] > 0 and both["peak_memory_on_over_off"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")

@@ -13,7 +13,7 @@ from trainer.batch import collate, response_logits
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.kl import gather_logprobs
-from trainer.learner import Learner
+from trainer.learner import Learner, enable_gradient_checkpointing
 
 
 def ragged_trajectories(vocab: int, n: int = 6) -> list[Trajectory]:
@@ -71,6 +71,30 @@ def test_micro_batching_gives_the_whole_batch_gradient(tiny_model, tokenizer, ag
     for other in prepared[1:]:
         for a, b in zip(other, prepared[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradient(tiny_model, tokenizer):
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    grads, layer_calls = [], []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(tiny_model)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        torch.manual_seed(0)
+        learner = make_learner(model, 3, "token-mean")
+        batch = collate(trajs, advantages, tokenizer.pad_token_id)
+        learner.prepare(batch)
+        calls, mlp = [], model.get_decoder().layers[0].mlp
+        forward = mlp.forward  # counted by wrapping: torch's checkpoint recompute does not fire module hooks
+        mlp.forward = lambda x: calls.append(1) or forward(x)
+        learner.update(batch, torch.Generator().manual_seed(0))
+        del mlp.forward
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        layer_calls.append(len(calls))
+    assert layer_calls == [2, 4]  # 2 micro-batches; checkpointed, each layer runs again in the backward pass
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7 * float(grads[0].abs().max()))
+    assert grads[0].abs().sum() > 0
 
 
 def test_prepare_matches_one_uncut_forward_pass(tiny_model, tokenizer):

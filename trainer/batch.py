@@ -87,8 +87,9 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0, only: 
     log-probs are those of the distribution the rollout sampled from. With `only` (an (N, T) bool mask), the
     (M, V) logits at those positions alone: the LM head never runs where nothing is learned (observations)."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    hidden = decoder(  # no KV cache: nothing is generated here, and a cache would hold every layer's keys/values
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+        use_cache=False,
     ).last_hidden_state
     p, t = batch.prompt_width, batch.response_ids.shape[1]
     hidden = hidden[:, p - 1 : p - 1 + t]

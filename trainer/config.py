@@ -82,6 +82,9 @@ class TrainSection(Section):
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     normalize_adv_std: bool = True  # False: Dr. GRPO
     entropy_coef: float = Field(0.0, ge=0)
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
+    # falls to the layers' inputs plus one layer's worth, for about one more forward pass of compute.
+    gradient_checkpointing: bool = False
 
 
 class KLSection(Section):

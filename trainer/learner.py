@@ -38,6 +38,13 @@ def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation:
     return [c / total if total else 0.0 for c in counts]
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' per-decoder-layer activation checkpointing (active in train mode only: the learner's gradient
+    passes; its no-grad passes run in eval mode). Non-reentrant: the one that composes with FSDP2 and with inputs
+    that need no gradient. Called before sharding."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def fsdp_logits(model, temperature: float, mesh) -> ResponseLogits:
     """FSDP2 over `mesh`: each decoder layer is one unit (its full weights exist only during its forward and
     backward), the rest (embeddings, final norm, tied output layer) belongs to the root. The root is the

@@ -43,7 +43,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import TrainConfig
 from trainer.ema import EmaAnchor, should_update_ema
-from trainer.learner import Learner, fsdp_logits
+from trainer.learner import Learner, enable_gradient_checkpointing, fsdp_logits
 from trainer.reward import reward
 
 RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
@@ -161,6 +161,8 @@ class PolicyTrainer:
         self.policy = policy
         t = cfg.train
         self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
+        if t.gradient_checkpointing:  # the policy only: the anchor never runs a gradient pass
+            enable_gradient_checkpointing(policy)
         self.sharded = cfg.distributed.strategy == "fsdp" and torch.distributed.is_initialized()
         logits = {}
         if self.sharded:
