@@ -87,7 +87,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradient(ti
         learner.prepare(batch)
         calls, mlp = [], model.get_decoder().layers[0].mlp
         forward = mlp.forward  # counted by wrapping: torch's checkpoint recompute does not fire module hooks
-        mlp.forward = lambda x: calls.append(1) or forward(x)
+        mlp.forward = lambda x, calls=calls, forward=forward: calls.append(1) or forward(x)
         learner.update(batch, torch.Generator().manual_seed(0))
         del mlp.forward
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
