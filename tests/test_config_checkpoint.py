@@ -40,9 +40,9 @@ def test_overrides_and_errors_name_the_field(tmp_path):
 def tiny_state():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
     model(torch.randn(5, 4)).square().sum().backward()
     opt.step()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
     sched.step()
     return model, opt, sched
 
