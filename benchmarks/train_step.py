@@ -12,7 +12,8 @@ both and their ratios.
 
     python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
         [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
-        [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3] [--gradient-checkpointing off|on|both]
+        [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
+        [--gradient-checkpointing off|on|both]
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def main() -> None:
     tokens = int(batch.attention_mask.sum())
     print(json.dumps({
         "benchmark": "train_step", "device": device, "device_name": device_name(device),
-        "torch": torch.__version__, "autocast": args.autocast, "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "torch": torch.__version__, "autocast": args.autocast,
+        "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params": sum(p.numel() for p in policy.parameters())},
         "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
