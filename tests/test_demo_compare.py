@@ -54,5 +54,6 @@ def test_work_minutes_sum_every_timed_phase_and_count_the_shared_start_once():
     curves = {"GRPO": [{"iteration": 1, "reward": 0.5, "time_rollout_s": 60.0, "time_update_s": 30.0}],
               "EMA-PG": [{"iteration": 1, "time_rollout_s": 90.0, "time_ema_s": 0.0}]}
     sft = {"em": 0.2, "seconds": 120.0}
-    held_out = {"GRPO": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})], "EMA-PG": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})]}
+    held_out = {"GRPO": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})],
+                "EMA-PG": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})]}
     assert work_minutes(curves, held_out) == (60 + 30 + 90 + 120 + 60 + 60) / 60
