@@ -142,6 +142,9 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
                     vcfg, policy, tokenizer, client, test, f"{name} @ {trainer.iteration}",
                     vcfg.run_dir / f"eval-{trainer.iteration:04d}")))
                 console.print(f"{name} iteration {trainer.iteration}: held-out EM {held_out[name][-1][1]['em']:.3f}")
+            # A vLLM engine keeps its (GPU) memory until closed, and the next variant starts an engine of its own.
+            if hasattr(trainer.backend, "close"):
+                trainer.backend.close()
     curves = {name: last_per_iteration(read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl"))
               for name in VARIANTS}
     lines = [(f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
