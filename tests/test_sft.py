@@ -147,13 +147,13 @@ def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_mo
         torch.testing.assert_close(value, policy.state_dict()[name].float(), rtol=0, atol=0)
 
 
-def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir, tmp_path):
-    """`emapg sft` then `emapg train --init` through the real server, with a FlashRAG-format question file."""
+def e2e_overrides(questions, server_url, tiny_model_dir, tmp_path) -> list[str]:
+    """A tiny run through the real server, its questions in a FlashRAG-format file."""
     root = tmp_path / "flashrag" / "bamboogle"
     root.mkdir(parents=True)
     (root / "test.jsonl").write_text("".join(
         json.dumps({"question": q.question, "golden_answers": list(q.golden_answers)}) + "\n" for q in questions))
-    common = [
+    return [
         f"model={tiny_model_dir}", f"out_dir={tmp_path / 'runs'}", "name=e2e", f"retriever.url={server_url}",
         f"data.flashrag_root={tmp_path / 'flashrag'}", "data.train=[bamboogle:test]", "data.subset=full",
         "rollout.max_turns=1", "rollout.max_tokens_per_turn=4", "rollout.max_obs_tokens=64",
@@ -161,25 +161,59 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
         "train.iterations=1", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
         "train.mini_batch_size=4", "train.micro_batch_size=2",
     ]
+
+
+def emapg(tmp_path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {"EMAPG_ARTIFACTS": str(tmp_path / "artifacts"), "PATH": "/usr/bin:/bin"}
-    run = [sys.executable, "-m", "emapg.cli"]
-    sft = subprocess.run([*run, "sft", *common], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "emapg.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+
+
+def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir, tmp_path):
+    """`emapg sft` then `emapg train --init` through the real server, with a FlashRAG-format question file."""
+    common = e2e_overrides(questions, server_url, tiny_model_dir, tmp_path)
+    sft = emapg(tmp_path, "sft", *common)
     assert sft.returncode == 0, sft.stdout + sft.stderr
     run_dir = tmp_path / "runs" / "e2e"
     assert len(list(load_jsonl(run_dir / "sft" / "demonstrations.jsonl"))) == 4
     assert list((run_dir / "sft" / "checkpoints").glob("iter-000002"))
-    train = subprocess.run([*run, "train", "--init", str(run_dir / "sft"), *common], capture_output=True, text=True,
-                           env=env, timeout=300)
+    train = emapg(tmp_path, "train", "--init", str(run_dir / "sft"), *common)
     assert train.returncode == 0, train.stdout + train.stderr
     assert list((run_dir / "checkpoints").glob("iter-000001"))
     # The same under Ray (a local cluster it starts): 2 rollout workers reaching the server, 2 gloo DDP learner ranks
     # starting from the SFT policy.
-    ray_run = subprocess.run([*run, "train", "--init", str(run_dir / "sft"), *common, "name=e2e-ray",
-                              "distributed.backend=ray", "distributed.rollout_workers=2", "distributed.learner_ranks=2",
-                              "train.micro_batch_size=1"], capture_output=True, text=True, env=env, timeout=600)
+    ray_run = emapg(tmp_path, "train", "--init", str(run_dir / "sft"), *common, "name=e2e-ray",
+                    "distributed.backend=ray", "distributed.rollout_workers=2", "distributed.learner_ranks=2",
+                    "train.micro_batch_size=1", timeout=600)
     assert ray_run.returncode == 0, ray_run.stdout + ray_run.stderr
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "e2e-ray" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["sampler_trainer_logprob_gap_max"] < 1e-3
     # A bad override is refused, naming the field.
-    bad = subprocess.run([*run, "sft", *common, "sft.lrr=1"], capture_output=True, text=True, env=env, timeout=120)
+    bad = emapg(tmp_path, "sft", *common, "sft.lrr=1", timeout=120)
     assert bad.returncode == 2 and "sft.lrr" in bad.stdout
+
+
+def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_model_dir, tmp_path):
+    """`emapg compare` (SFT, then GRPO and EMA-PG with held-out evaluations) through the real server; run again with
+    a longer budget it reuses the SFT checkpoint, every saved evaluation and each variant's checkpoint."""
+    common = [*e2e_overrides(questions, server_url, tiny_model_dir, tmp_path), "data.eval=[bamboogle:test]",
+              "data.eval_limit=3"]
+    first = emapg(tmp_path, "compare", "--config", "configs/cpu_compare.yaml", "--eval-every", "1", *common)
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = tmp_path / "runs" / "e2e"
+    before = json.loads((out / "compare.json").read_text())["held_out"]
+    assert {name: [i for i, _ in points] for name, points in before.items()} == {"GRPO": [0, 1], "EMA-PG": [0, 1]}
+
+    again = emapg(tmp_path, "compare", "--config", "configs/cpu_compare.yaml", "--eval-every", "1", *common,
+                  "train.iterations=2")
+    assert again.returncode == 0, again.stdout + again.stderr
+    for line in ("reusing the SFT checkpoint", "GRPO: resuming from", "GRPO @ 1: reusing", "EMA-PG @ 1: reusing"):
+        assert line in again.stdout, again.stdout
+    after = json.loads((out / "compare.json").read_text())["held_out"]
+    for name in ("GRPO", "EMA-PG"):
+        assert [i for i, _ in after[name]] == [0, 1, 2]
+        assert after[name][:2] == before[name]  # the saved evaluations, as they were
+        metrics = (out / name.lower() / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["iteration"] for line in metrics] == [1, 2]
+    assert (out / "compare.png").is_file() and "| EMA-PG | 2 |" in (out / "compare.md").read_text()
+
