@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from trainer.demonstrations import build_demonstrations, gold_in_hits, keyword_q
 from trainer.sft import SFTTrainer, sft_loss
 
 MAX_OBS = 200
+COMPARE_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_compare.yaml")
 
 
 def example(i: int, question: str, answer: str) -> QAExample:
@@ -198,13 +200,13 @@ def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_mod
     a longer budget it reuses the SFT checkpoint, every saved evaluation and each variant's checkpoint."""
     common = [*e2e_overrides(questions, server_url, tiny_model_dir, tmp_path), "data.eval=[bamboogle:test]",
               "data.eval_limit=3"]
-    first = emapg(tmp_path, "compare", "--config", "configs/cpu_compare.yaml", "--eval-every", "1", *common)
+    first = emapg(tmp_path, "compare", "--config", COMPARE_CONFIG, "--eval-every", "1", *common)
     assert first.returncode == 0, first.stdout + first.stderr
     out = tmp_path / "runs" / "e2e"
     before = json.loads((out / "compare.json").read_text())["held_out"]
     assert {name: [i for i, _ in points] for name, points in before.items()} == {"GRPO": [0, 1], "EMA-PG": [0, 1]}
 
-    again = emapg(tmp_path, "compare", "--config", "configs/cpu_compare.yaml", "--eval-every", "1", *common,
+    again = emapg(tmp_path, "compare", "--config", COMPARE_CONFIG, "--eval-every", "1", *common,
                   "train.iterations=2")
     assert again.returncode == 0, again.stdout + again.stderr
     for line in ("reusing the SFT checkpoint", "GRPO: resuming from", "GRPO @ 1: reusing", "EMA-PG @ 1: reusing"):
