@@ -32,9 +32,7 @@ import torch
 from agent.trajectory import Trajectory
 from trainer.batch import RolloutBatch, collate
 from trainer.config import load_config
-from trainer.ema import EmaAnchor
-from trainer.learner import Learner, enable_gradient_checkpointing
-from trainer.loop import warmup_schedule
+from trainer.loop import PolicyTrainer
 
 
 def synthetic_batch(args, generator: torch.Generator) -> RolloutBatch:
@@ -110,13 +108,8 @@ def main() -> None:
         f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
         f"autocast={args.autocast}", f"train.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
     ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
-    anchor = EmaAnchor(policy)
-    if cfg.train.gradient_checkpointing:  # as PolicyTrainer: after the anchor's copy
-        enable_gradient_checkpointing(policy)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                                  weight_decay=cfg.train.weight_decay)
-    learner = Learner(policy, anchor, optimizer, warmup_schedule(optimizer, cfg.train.warmup_steps), cfg.train,
-                      cfg.kl, autocast_kind=cfg.autocast)
+    learning = PolicyTrainer(cfg, policy)  # the trainer's own: EMA anchor, AdamW + schedule, Learner
+    learner, anchor = learning.learner, learning.anchor
     generator = torch.Generator().manual_seed(0)
     batch = synthetic_batch(args, generator).to(device)  # the learner allocates on the batch's device
 

@@ -91,8 +91,10 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
     (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation."""
     training = sum(value for metrics in curves.values() for m in metrics
                    for key, value in m.items() if key.startswith("time_"))
-    evaluations = {id(p): p["seconds"] for points in held_out.values() for _, p in points}  # SFT's is shared
-    return (training + sum(evaluations.values())) / 60
+    # Every variant's points start with the same SFT evaluation: count it once.
+    start = next(iter(held_out.values()))[0][1]["seconds"]
+    evaluations = start + sum(p["seconds"] for points in held_out.values() for _, p in points[1:])
+    return (training + evaluations) / 60
 
 
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
