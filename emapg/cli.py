@@ -239,6 +239,7 @@ def eval_command(
             retrieve_endpoints(retriever_url)
         except ValueError as e:
             _fail(f"--retriever-url: {e}")
+    _ensure_index(index_dir, retriever_url)
     try:
         data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -289,10 +290,30 @@ def _train_questions(cfg, client, tag: str) -> list:
         _fail(str(e))
 
 
-def _ensure_index(index_dir: Path) -> None:
-    if not (index_dir / "manifest.json").exists():
-        console.rule("building the index (once)")
-        index(out=index_dir)
+# MiniLM passages per second on 2 cores (docs/benchmarks.md): ~67 in bf16 where the CPU runs it natively (the index's
+# `--dtype auto`), ~21 in fp32 on CPUs without AVX-512.
+INDEX_RATES = {"bfloat16": 67, "float32": 21}
+PACKAGED_PASSAGES = 10_033
+
+
+def _ensure_index(index_dir: Path, retriever_url=None, needs_retriever: bool = True) -> None:
+    """Make sure the run can start its retriever: nothing to do when it is given a running one (`retriever_url`) or
+    needs none; the packaged-Wikipedia index is built once at the default place, saying first how long that takes;
+    any other missing index is an error."""
+    if retriever_url or not needs_retriever or (index_dir / "manifest.json").exists():
+        return
+    from trainer.config import RetrieverConfig
+
+    if index_dir.resolve() not in (DEFAULT_INDEX.resolve(), RetrieverConfig().index.resolve()):
+        _fail(f"no index at {index_dir} (no manifest.json): build it with `emapg index --out {index_dir}` or give a "
+              "running retriever's URL")
+    from retriever.encoder import resolve_dtype
+
+    dtype = resolve_dtype("auto")
+    minutes = PACKAGED_PASSAGES / INDEX_RATES[dtype] / 60
+    console.rule(f"building the MiniLM index of {PACKAGED_PASSAGES:,} packaged Wikipedia passages in {index_dir} "
+                 f"({dtype}): about {minutes:.0f} minutes on 2 cores, once; later runs reuse it")
+    index(out=index_dir)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -308,6 +329,7 @@ def sft(
     cfg = _run_config(ctx, config)
     if cfg.rollout.mode != "agent":
         _fail("sft builds search demonstrations: rollout.mode must be agent")
+    _ensure_index(cfg.retriever.index, cfg.retriever.url)
     with connect_retriever(cfg) as (client, tag):
         examples = _train_questions(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
@@ -333,6 +355,7 @@ def train(
     from trainer.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
+    _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
     with connect_retriever(cfg) as (client, tag):
         examples = _train_questions(cfg, client, tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
@@ -367,8 +390,8 @@ def demo(
     from emapg.demo import run_demo
 
     cfg = _run_config(ctx, config)
-    _ensure_index(index_dir)
     cfg.retriever.index = index_dir
+    _ensure_index(index_dir, cfg.retriever.url)
     report = run_demo(cfg)
     console.print(f"report: {report}")
 
@@ -387,8 +410,8 @@ def compare(
     from emapg.compare import run_compare
 
     cfg = _run_config(ctx, config)
-    _ensure_index(index_dir)
     cfg.retriever.index = index_dir
+    _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
     console.print(f"report: {run_compare(cfg, init, eval_every)}")
 
 

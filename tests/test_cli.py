@@ -33,6 +33,16 @@ def test_bad_paths_and_encoders_are_named(tmp_path, dense_index_dir, small_corpu
     assert code == 2 and "exists; pass --overwrite" in out
 
 
+def test_runs_refuse_a_missing_index_other_than_the_default_instead_of_building_one(tmp_path):
+    missing = tmp_path / "no-index"
+    for command in ("train", "sft"):
+        code, out = invoke(command, f"retriever.index={missing}")
+        assert code == 2 and f"no index at {missing}" in out
+    code, out = invoke("eval", "--index", str(missing))
+    assert code == 2 and f"no index at {missing}" in out
+    assert not missing.exists()
+
+
 def test_search_against_a_dead_server_names_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     code, out = invoke("search", "hello", "--url", url)

@@ -165,7 +165,8 @@ def e2e_overrides(questions, server_url, tiny_model_dir, tmp_path) -> list[str]:
     ]
 
 
-def emapg(tmp_path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def emapg(tmp_path, *args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
+    """The CLI in a child process; `timeout` only guards against a hang (generous: no test depends on speed)."""
     env = {"EMAPG_ARTIFACTS": str(tmp_path / "artifacts"), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-m", "emapg.cli", *args], capture_output=True, text=True, env=env,
                           timeout=timeout, check=False)
@@ -186,12 +187,12 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
     # starting from the SFT policy.
     ray_run = emapg(tmp_path, "train", "--init", str(run_dir / "sft"), *common, "name=e2e-ray",
                     "distributed.backend=ray", "distributed.rollout_workers=2", "distributed.learner_ranks=2",
-                    "train.micro_batch_size=1", timeout=600)
+                    "train.micro_batch_size=1")
     assert ray_run.returncode == 0, ray_run.stdout + ray_run.stderr
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "e2e-ray" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["sampler_trainer_logprob_gap_max"] < 1e-3
     # A bad override is refused, naming the field.
-    bad = emapg(tmp_path, "sft", *common, "sft.lrr=1", timeout=120)
+    bad = emapg(tmp_path, "sft", *common, "sft.lrr=1")
     assert bad.returncode == 2 and "sft.lrr" in bad.stdout
 
 
@@ -218,4 +219,7 @@ def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_mod
         metrics = (out / name.lower() / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["iteration"] for line in metrics] == [1, 2]
     assert (out / "compare.png").is_file() and "| EMA-PG | 2 |" in (out / "compare.md").read_text()
+    # Given a running retriever, compare builds no index of its own (it used to build the full packaged one).
+    assert not list(tmp_path.rglob("*.building")) and not (tmp_path / "artifacts" / "indexes").exists()
+    assert "building the" not in first.stdout + again.stdout
 
