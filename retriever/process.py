@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0) -> dict:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 600.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
