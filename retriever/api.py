@@ -80,15 +80,11 @@ class RetrieveResponse(BaseModel):
     result: list[list[Document]]
 
 
-def retrieve_body(results: list[list[Hit]], return_scores: bool) -> dict[str, Any]:
-    """The `/retrieve` response for these results, in the shape `return_scores` asks for."""
+def retrieve_response(results: list[list[Hit]], return_scores: bool) -> ScoredRetrieveResponse | RetrieveResponse:
+    """The `/retrieve` answer for these results, in the shape `return_scores` asks for."""
     if return_scores:
-        return {
-            "result": [
-                [{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hits] for hits in results
-            ]
-        }
-    return {"result": [[{"id": h.id, "contents": h.contents} for h in hits] for hits in results]}
+        return ScoredRetrieveResponse(result=[[ScoredDocument.from_hit(h) for h in hits] for hits in results])
+    return RetrieveResponse(result=[[Document(id=h.id, contents=h.contents) for h in hits] for hits in results])
 
 
 class ErrorDetail(BaseModel):

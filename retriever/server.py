@@ -33,7 +33,7 @@ from retriever.api import (
     ScoredRetrieveResponse,
     SearchLimits,
     openai_tool,
-    retrieve_body,
+    retrieve_response,
 )
 from retriever.batcher import BatchingSearcher
 from retriever.encoder import resolve_encoder
@@ -154,13 +154,12 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
         422: {"model": ErrorResponse, "description": "bad input; `message` names the field"},
     }
 
-    # The body is a plain dict validated against the response model and serialized by pydantic-core in one pass
-    # (FastAPI's fast path for a response_model); the scored shape is listed first, as clients ask for it.
+    # FastAPI serializes the answer with pydantic-core straight to JSON bytes (its fast path for a response model).
     @app.post(
         "/retrieve", dependencies=[Depends(require_token)], response_model=ScoredRetrieveResponse | RetrieveResponse,
         responses=error_responses,
     )
-    async def retrieve(req: RetrieveRequest) -> dict | JSONResponse:
+    async def retrieve(req: RetrieveRequest) -> ScoredRetrieveResponse | RetrieveResponse | JSONResponse:
         start = time.perf_counter()
         if (bad := _check_limits(req, settings)) is not None:
             metrics.requests.labels(status="422").inc()
@@ -169,7 +168,7 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
         results = await searcher.search(req.queries, k)
         metrics.requests.labels(status="200").inc()
         metrics.request_seconds.observe(time.perf_counter() - start)
-        return retrieve_body(results, req.return_scores)
+        return retrieve_response(results, req.return_scores)
 
     @app.get("/health")
     async def health() -> Health:
