@@ -24,8 +24,7 @@ from agent.protocol import (
 )
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
-from retriever.client import RetrieverError, format_hits
-from retriever.docstore import Hit
+from retriever.client import Hit, RetrieverError, format_hits
 
 Mode = Literal["agent", "direct", "rag"]
 SEARCH_FAILED = "The search engine did not answer; no documents were retrieved."

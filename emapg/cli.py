@@ -13,13 +13,14 @@ from emapg.workflow import ARTIFACTS
 
 app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
 console = Console()
+stderr = Console(stderr=True)  # for `emapg mcp`, whose stdout may be the MCP stdio channel
 
 PACKAGED_CORPUS = ARTIFACTS / "corpus" / "wiki-summaries.jsonl"
 DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
 
 
-def _fail(message: str) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}")
+def _fail(message: str, to: Console = console) -> NoReturn:
+    to.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
 
 
@@ -162,6 +163,66 @@ def search(
         _fail(str(e))
     for q, hits in zip(queries, results, strict=True):
         print_hits(q, hits)
+
+
+def _served_limits(urls: str | list[str], to: Console = console, timeout_s: float = 30.0):
+    """The search limits of the retriever at `urls` (its /health); a CLI error if none answers."""
+    from retriever.client import RetrieverClient, RetrieverError
+
+    try:
+        with RetrieverClient(urls, timeout_s=timeout_s, retries=2) as client:
+            return client.health().limits
+    except ValueError as e:
+        _fail(f"--url: {e}", to)
+    except RetrieverError as e:
+        _fail(str(e), to)
+
+
+@app.command()
+def mcp(
+    url: Annotated[list[str] | None, typer.Option(help="retriever URL (default http://127.0.0.1:8000); repeat it for "
+                                                  "replicas of one index")] = None,
+    transport: Annotated[str, typer.Option(help="stdio (a desktop agent starts this command) or http (streamable "
+                                           "HTTP at http://HOST:PORT/mcp, for remote agents)")] = "stdio",
+    host: Annotated[str, typer.Option(help="http: bind address; 0.0.0.0 exposes it (set EMAPG_MCP_TOKEN)")] = (
+        "127.0.0.1"),
+    port: Annotated[int, typer.Option(min=1, max=65535, help="http: port")] = 8001,
+    timeout_s: Annotated[float, typer.Option(min=0.1, help="per request to the retriever")] = 30.0,
+    retries: Annotated[int, typer.Option(min=0, help="rounds of retries over the retriever replicas")] = 5,
+) -> None:
+    """Serve the retriever to MCP clients (Claude Desktop, agent frameworks): a `search` tool (query, topk) and an
+    `emapg://index` resource, forwarded to a running `emapg serve`. With EMAPG_MCP_TOKEN set, the http transport
+    needs `Authorization: Bearer <token>`; EMAPG_RETRIEVER_TOKEN is sent to the retriever."""
+    import os
+
+    from retriever.mcp_server import MCP_TOKEN_ENV, create_mcp_server
+
+    if transport not in ("stdio", "http"):
+        _fail(f"--transport must be 'stdio' or 'http', got {transport!r}", stderr)
+    urls = url or "http://127.0.0.1:8000"
+    limits = _served_limits(urls, stderr, timeout_s)  # the tool's argument limits are the retriever's own
+    token = os.environ.get(MCP_TOKEN_ENV) or None
+    server = create_mcp_server(urls, limits, http_token=token, timeout_s=timeout_s, retries=retries)
+    if transport == "stdio":
+        server.run("stdio")
+    else:
+        if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+            stderr.print(f"[yellow]warning:[/] {host} without {MCP_TOKEN_ENV}: whoever reaches the port can search")
+        stderr.print(f"MCP over streamable HTTP at http://{host}:{port}/mcp" + (" (bearer token)" if token else ""))
+        server.run("streamable-http", host=host, port=port)
+
+
+@app.command("tool-schema")
+def tool_schema(
+    url: Annotated[str | None, typer.Option(help="a running retriever, whose limits the schema takes; default: "
+                                            "the default limits")] = None,
+) -> None:
+    """Print the search tool's OpenAI function-calling schema (what `GET /tool` serves): put it in a chat
+    completion's `tools` and run each call as `POST /retrieve`."""
+    from retriever.api import SearchLimits, openai_tool
+
+    limits = SearchLimits() if url is None else _served_limits(url)
+    print(openai_tool(limits).model_dump_json(indent=2))
 
 
 @app.command()

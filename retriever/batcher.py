@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from retriever.docstore import Hit
+from retriever.api import Hit
 from retriever.metrics import RetrieverMetrics
 
 SearchFn = Callable[[list[str], int], list[list[Hit]]]

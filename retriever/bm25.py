@@ -9,8 +9,9 @@ import bm25s
 import numpy as np
 
 from data.corpus import read_jsonl
+from retriever.api import Hit
+from retriever.build import add_corpus, building_folder, finish_build
 from retriever.docstore import DocStore
-from retriever.index import Hit, add_corpus, building_folder, finish_build
 from retriever.manifest import BM25Manifest, Manifest
 
 BM25_DIR = "bm25"

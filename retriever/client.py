@@ -1,4 +1,5 @@
-"""HTTP client for `POST /retrieve` (ours or Search-R1's server), sync and async, with retries, replicas and batching.
+"""HTTP client for `POST /retrieve` (ours or Search-R1's server), sync and async, with retries, replicas and batching;
+`health()` reads `GET /health` the same way. Bodies go out and come back through the models of `retriever/api.py`.
 
 Give one URL, or a list of replica URLs serving the same index: requests go round-robin over the replicas.
 Connection errors, timeouts and 5xx answers are retryable: the request moves at once to the next replica, and the
@@ -14,12 +15,17 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from data.corpus import split_contents
-from retriever.docstore import Hit
+from retriever.api import Health, Hit, RetrieveRequest, ScoredRetrieveResponse
+
+Model = TypeVar("Model", bound=BaseModel)
+Parsed = TypeVar("Parsed")
 
 RETRYABLE = (httpx.TransportError,)  # connect/read/write errors, timeouts, dropped connections
 # A replica that does not accept a connection within this is taken as down and the request moves on; a busy server
@@ -44,15 +50,19 @@ def format_hits(hits: list[Hit]) -> str:
     return "\n".join(lines)
 
 
-def _parse(response: httpx.Response, url: str) -> list[list[Hit]]:
+def _parse(model: type[Model], response: httpx.Response, url: str) -> Model:
     try:
-        body = response.json()
-        return [
-            [Hit(id=str(h["document"]["id"]), contents=h["document"]["contents"], score=float(h["score"])) for h in hits]
-            for hits in body["result"]
-        ]
-    except (ValueError, KeyError, TypeError) as e:
-        raise RetrieverError(f"{url} returned a body that is not a /retrieve response: {response.text[:200]}") from e
+        return model.model_validate_json(response.content)
+    except ValidationError as e:
+        raise RetrieverError(f"{url} returned a body that is not a {model.__name__}: {response.text[:200]}") from e
+
+
+def _parse_hits(response: httpx.Response, url: str) -> list[list[Hit]]:
+    return _parse(ScoredRetrieveResponse, response, url).hits()
+
+
+def _parse_health(response: httpx.Response, url: str) -> Health:
+    return _parse(Health, response, url)
 
 
 def _raise_for_client_error(response: httpx.Response, url: str) -> None:
@@ -64,29 +74,34 @@ def _raise_for_client_error(response: httpx.Response, url: str) -> None:
         raise RetrieverError(f"{url} refused the request ({response.status_code}): {message}")
 
 
-def retrieve_endpoints(urls: str | Sequence[str]) -> list[str]:
-    """The `/retrieve` endpoint of each replica URL; refuses no URL, a URL that is not http(s), or one given twice."""
+def replica_urls(urls: str | Sequence[str]) -> list[str]:
+    """The replicas' base URLs; refuses no URL, a URL that is not http(s), or one given twice."""
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise ValueError("retriever url: give at least one URL")
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever url {url!r} must start with http:// or https://")
-    endpoints = [url.rstrip("/") + "/retrieve" for url in urls]
-    if len(set(endpoints)) < len(endpoints):
+    bases = [url.rstrip("/") for url in urls]
+    if len(set(bases)) < len(bases):
         raise ValueError(f"retriever urls {urls} name a replica twice")
-    return endpoints
+    return bases
+
+
+def retrieve_endpoints(urls: str | Sequence[str]) -> list[str]:
+    """The `/retrieve` endpoint of each replica URL, checked as `replica_urls` checks them."""
+    return [url + "/retrieve" for url in replica_urls(urls)]
 
 
 class Replicas:
-    """The replicas' endpoints, whose turn is next (round-robin), and which are cooling off after a failure.
+    """The replicas' base URLs, whose turn is next (round-robin), and which are cooling off after a failure.
 
     Shared by every request of a client. A replica that failed is skipped until its cool-off ends: while it is down,
     requests then go straight to the others instead of each paying a connection error or timeout on it first.
     """
 
-    def __init__(self, endpoints: list[str], cooloff_s: float):
-        self.endpoints = endpoints
+    def __init__(self, urls: list[str], cooloff_s: float):
+        self.urls = urls
         self.cooloff_s = cooloff_s
         self._turn = itertools.count()  # next() on a count is atomic in CPython: safe across threads
         self._cooling_until: dict[str, float] = {}
@@ -96,15 +111,15 @@ class Replicas:
         ready ones, so they share a failed replica's load evenly). When all are cooling off, all of them: a request
         never fails without trying."""
         now = time.monotonic()
-        ready = [e for e in self.endpoints if self._cooling_until.get(e, 0.0) <= now] or self.endpoints
+        ready = [u for u in self.urls if self._cooling_until.get(u, 0.0) <= now] or self.urls
         start = next(self._turn) % len(ready)
         return ready[start:] + ready[:start]
 
-    def failed(self, endpoint: str) -> None:
-        self._cooling_until[endpoint] = time.monotonic() + self.cooloff_s
+    def failed(self, url: str) -> None:
+        self._cooling_until[url] = time.monotonic() + self.cooloff_s
 
-    def answered(self, endpoint: str) -> None:
-        self._cooling_until.pop(endpoint, None)
+    def answered(self, url: str) -> None:
+        self._cooling_until.pop(url, None)
 
 
 class _ClientBase:
@@ -120,7 +135,7 @@ class _ClientBase:
         max_queries_per_request: int = 512,
         token: str | None = None,
     ):
-        self.replicas = Replicas(retrieve_endpoints(url), cooloff_s)
+        self.replicas = Replicas(replica_urls(url), cooloff_s)
         self.topk = topk
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self.max_queries_per_request = max_queries_per_request
@@ -134,18 +149,21 @@ class _ClientBase:
     @property
     def urls(self) -> list[str]:
         """The replicas' base URLs (where `/health` is)."""
-        return [e.removesuffix("/retrieve") for e in self.replicas.endpoints]
+        return self.replicas.urls
 
     def _chunks(self, queries: list[str]) -> list[list[str]]:
         n = self.max_queries_per_request
         return [queries[i : i + n] for i in range(0, len(queries), n)]
 
     def _body(self, queries: list[str], topk: int | None) -> dict:
-        return {"queries": queries, "topk": topk or self.topk, "return_scores": True}
+        return RetrieveRequest(queries=queries, topk=topk or self.topk, return_scores=True).model_dump()
 
-    def _exchange(self) -> Generator[tuple[float, str], httpx.Response | Exception, list[list[Hit]]]:
+    def _exchange(
+        self, route: str = "/retrieve", parse: Callable[[httpx.Response, str], Parsed] = _parse_hits
+    ) -> Generator[tuple[float, str], httpx.Response | Exception, Parsed]:
         """The retry and failover policy without I/O, shared by the sync and async clients: yields (seconds to sleep,
-        endpoint) for each attempt, is sent that attempt's response (or transport error), returns the parsed hits.
+        URL of `route` on a replica) for each attempt, is sent that attempt's response (or transport error), returns
+        what `parse` makes of the answer (by default the hits of a `/retrieve` answer).
 
         A round tries the replicas in rotation, moving to the next at once when one fails; only after a round in
         which all failed does it back off (exponentially) before the next, for at most `retries` more rounds. With
@@ -155,7 +173,8 @@ class _ClientBase:
         attempts = 0
         for round_ in range(self.retries + 1):
             delay = 0.0 if round_ == 0 else self.backoff_s * 2 ** (round_ - 1)
-            for endpoint in self.replicas.rotation():
+            for replica in self.replicas.rotation():
+                endpoint = replica + route
                 outcome = yield delay, endpoint
                 delay, attempts = 0.0, attempts + 1
                 if isinstance(outcome, Exception):
@@ -164,12 +183,12 @@ class _ClientBase:
                     errors[endpoint] = f"HTTP {outcome.status_code}"
                 else:
                     _raise_for_client_error(outcome, endpoint)
-                    self.replicas.answered(endpoint)
-                    return _parse(outcome, endpoint)
-                self.replicas.failed(endpoint)
+                    self.replicas.answered(replica)
+                    return parse(outcome, endpoint)
+                self.replicas.failed(replica)
         raise RetrieverUnavailable(
-            f"retriever at {', '.join(self.replicas.endpoints)} unavailable after {attempts} attempts: "
-            + "; ".join(f"{endpoint}: {error}" for endpoint, error in errors.items())
+            f"retriever at {', '.join(url + route for url in self.replicas.urls)} unavailable after {attempts} "
+            "attempts: " + "; ".join(f"{endpoint}: {error}" for endpoint, error in errors.items())
         )
 
 
@@ -184,17 +203,26 @@ class RetrieverClient(_ClientBase):
     def search(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]:
         return [hits for chunk in self._chunks(queries) for hits in self._post(chunk, topk)]
 
+    def health(self) -> Health:
+        """`GET /health` of the first replica that answers: what is served, and the server's search limits."""
+        return self._call(self._exchange("/health", _parse_health), self._http.get)
+
     def _post(self, queries: list[str], topk: int | None) -> list[list[Hit]]:
-        exchange = self._exchange()
-        delay, endpoint = next(exchange)
+        body = self._body(queries, topk)
+        return self._call(self._exchange(), lambda url: self._http.post(url, json=body))
+
+    def _call(self, exchange: Generator[tuple[float, str], httpx.Response | Exception, Parsed],
+              send: Callable[[str], httpx.Response]) -> Parsed:
+        """Run an exchange: sleep as it says, send to the URL it names, hand it the outcome, until it returns."""
+        delay, url = next(exchange)
         while True:
             time.sleep(delay)
             try:
-                outcome: httpx.Response | Exception = self._http.post(endpoint, json=self._body(queries, topk))
+                outcome: httpx.Response | Exception = send(url)
             except RETRYABLE as e:
                 outcome = e
             try:
-                delay, endpoint = exchange.send(outcome)
+                delay, url = exchange.send(outcome)
             except StopIteration as done:
                 return done.value
 
@@ -220,17 +248,26 @@ class AsyncRetrieverClient(_ClientBase):
         parts = await asyncio.gather(*(self._post(chunk, topk) for chunk in self._chunks(queries)))
         return [hits for part in parts for hits in part]
 
+    async def health(self) -> Health:
+        """`GET /health` of the first replica that answers: what is served, and the server's search limits."""
+        return await self._call(self._exchange("/health", _parse_health), self._http.get)
+
     async def _post(self, queries: list[str], topk: int | None) -> list[list[Hit]]:
-        exchange = self._exchange()
-        delay, endpoint = next(exchange)
+        body = self._body(queries, topk)
+        return await self._call(self._exchange(), lambda url: self._http.post(url, json=body))
+
+    async def _call(self, exchange: Generator[tuple[float, str], httpx.Response | Exception, Parsed],
+                    send: Callable[[str], Awaitable[httpx.Response]]) -> Parsed:
+        """Run an exchange: sleep as it says, send to the URL it names, hand it the outcome, until it returns."""
+        delay, url = next(exchange)
         while True:
             await asyncio.sleep(delay)
             try:
-                outcome: httpx.Response | Exception = await self._http.post(endpoint, json=self._body(queries, topk))
+                outcome: httpx.Response | Exception = await send(url)
             except RETRYABLE as e:
                 outcome = e
             try:
-                delay, endpoint = exchange.send(outcome)
+                delay, url = exchange.send(outcome)
             except StopIteration as done:
                 return done.value
 

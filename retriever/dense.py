@@ -12,9 +12,10 @@ import numpy as np
 from tqdm import tqdm
 
 from data.corpus import read_jsonl
+from retriever.api import Hit
+from retriever.build import add_corpus, building_folder, finish_build
 from retriever.docstore import DocStore
 from retriever.encoder import Encoder, resolve_encoder
-from retriever.index import Hit, add_corpus, building_folder, finish_build
 from retriever.manifest import (
     Manifest,
     check_loaded_encoder,

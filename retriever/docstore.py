@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from data.corpus import Passage, parse_line
+from retriever.api import Hit
 
 OFFSETS_FILE = "offsets.npy"
-
-
-@dataclass(frozen=True)
-class Hit:
-    id: str
-    contents: str
-    score: float
 
 
 def scan_corpus(corpus_path: Path) -> tuple[np.ndarray, str]:

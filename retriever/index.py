@@ -1,4 +1,5 @@
-"""Index folders: build one from a JSONL corpus (dense FAISS or BM25), load one, search it.
+"""Index folders: load one (dense FAISS or BM25, as its manifest says) and search it; `retriever/build.py` writes
+them.
 
 A folder holds `manifest.json` (written last, so a half-built folder is never mistaken for an index),
 `offsets.npy` (row -> byte offset in the corpus), the corpus itself when copied in, and the backend's files.
@@ -6,17 +7,13 @@ A folder holds `manifest.json` (written last, so a half-built folder is never mi
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Literal, Protocol
 
-import numpy as np
-
 from data.corpus import file_sha256
-from retriever.docstore import OFFSETS_FILE, DocStore, Hit, scan_corpus
-from retriever.manifest import CorpusManifest, Manifest
-
-COPIED_CORPUS = "corpus.jsonl"
+from retriever.api import Hit
+from retriever.docstore import OFFSETS_FILE, DocStore
+from retriever.manifest import Manifest
 
 
 class SearchIndex(Protocol):
@@ -25,44 +22,6 @@ class SearchIndex(Protocol):
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Best first, at most k hits per query (fewer only when the index has fewer matches)."""
         ...
-
-
-def building_folder(out: Path, overwrite: bool) -> Path:
-    """A fresh temp folder beside `out`; the finished build is renamed over `out` by `finish_build`."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    tmp = out.with_name(out.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def finish_build(tmp: Path, out: Path, manifest: Manifest) -> None:
-    manifest.write(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-
-
-def add_corpus(tmp: Path, corpus_path: Path, copy_corpus: bool) -> tuple[CorpusManifest, DocStore]:
-    """Copy (or reference) the corpus, record each row's byte offset and the file's checksum."""
-    corpus_path = Path(corpus_path).resolve()
-    if not corpus_path.is_file():
-        raise FileNotFoundError(f"corpus {corpus_path} does not exist")
-    if copy_corpus:
-        shutil.copyfile(corpus_path, tmp / COPIED_CORPUS)
-        corpus_path, recorded = tmp / COPIED_CORPUS, COPIED_CORPUS
-    else:
-        recorded = str(corpus_path)
-    offsets, sha256 = scan_corpus(corpus_path)
-    if len(offsets) == 0:
-        raise ValueError(f"corpus {corpus_path} has no documents")
-    np.save(tmp / OFFSETS_FILE, offsets)
-    manifest = CorpusManifest(
-        path=recorded, sha256=sha256, num_bytes=corpus_path.stat().st_size, num_docs=len(offsets)
-    )
-    return manifest, DocStore(corpus_path, offsets)
 
 
 def open_docstore(folder: Path, manifest: Manifest, verify_checksum: bool = False) -> DocStore:
@@ -90,6 +49,7 @@ def load_index(
     """Load an index folder. `encoder` (preset, name or path) must match the manifest's, else it is refused."""
     manifest = Manifest.read(folder)
     docstore = open_docstore(folder, manifest, verify_checksum)
+    # Imported here, not at the top: a BM25 server need not load FAISS, nor a dense one bm25s.
     if manifest.kind == "bm25":
         from retriever.bm25 import BM25Index
 

@@ -1,8 +1,6 @@
-"""The retrieval HTTP service: Search-R1's `POST /retrieve`, plus `/health`, Prometheus `/metrics` and `/docs`.
-
-Request  {"queries": [str, ...], "topk": int | null, "return_scores": bool = false}
-Response {"result": [[{"document": {"id", "contents"}, "score": float}, ...], ...]}   (return_scores: true)
-         {"result": [[{"id", "contents"}, ...], ...]}                                   (return_scores: false)
+"""The retrieval HTTP service: Search-R1's `POST /retrieve`, plus `/health`, `/tool` (the search tool's OpenAI
+function-calling schema), Prometheus `/metrics` and `/docs`. The request and response models are in
+`retriever/api.py`, shared with the client.
 """
 
 from __future__ import annotations
@@ -12,15 +10,31 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, Field
 
+from retriever.api import (
+    DEFAULT_TOPK,
+    MAX_QUERIES,
+    MAX_QUERY_CHARS,
+    MAX_TOPK,
+    ErrorDetail,
+    ErrorResponse,
+    Health,
+    OpenAITool,
+    RetrieveRequest,
+    RetrieveResponse,
+    ScoredRetrieveResponse,
+    SearchLimits,
+    openai_tool,
+    retrieve_response,
+)
 from retriever.batcher import BatchingSearcher
 from retriever.encoder import resolve_encoder
 from retriever.index import SearchIndex, load_index
@@ -38,10 +52,10 @@ class ServerSettings(BaseModel):
     encoder: str | None = None  # must match the index's manifest; None = the manifest's own encoder
     host: str = "127.0.0.1"  # loopback unless told otherwise: the service has no auth by default
     port: int = 8000
-    default_topk: int = 3  # Search-R1's default and the paper's recipe
-    max_topk: int = 100
-    max_queries: int = 1024
-    max_query_chars: int = 2048
+    default_topk: int = DEFAULT_TOPK
+    max_topk: int = MAX_TOPK
+    max_queries: int = MAX_QUERIES
+    max_query_chars: int = MAX_QUERY_CHARS
     batching: bool = True
     max_batch_queries: int = 256
     max_wait_ms: float = 2.0
@@ -54,23 +68,23 @@ class ServerSettings(BaseModel):
     workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
     token: str | None = Field(default=None, repr=False)
 
-
-class RetrieveRequest(BaseModel):
-    # Unknown fields are refused: a typo such as "top_k" would otherwise silently get the default topk.
-    model_config = ConfigDict(extra="forbid")
-
-    queries: list[StrictStr] = Field(min_length=1)
-    topk: StrictInt | None = None
-    return_scores: StrictBool = False
+    @property
+    def limits(self) -> SearchLimits:
+        return SearchLimits(
+            default_topk=self.default_topk, max_topk=self.max_topk, max_queries=self.max_queries,
+            max_query_chars=self.max_query_chars,
+        )
 
 
-def _error(field: list[str | int], message: str, status: int = 422) -> JSONResponse:
-    """The same body shape as FastAPI's own validation errors, plus a one-line `message`."""
+def _error_response(status: int, body: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body.model_dump(exclude_none=True), headers=headers)
+
+
+def _error(field: list[str | int], message: str) -> JSONResponse:
+    """A 422 with the same body shape as FastAPI's own validation errors, plus a one-line `message`."""
     name = ".".join(str(x) for x in field)
-    return JSONResponse(
-        status_code=status,
-        content={"message": f"{name}: {message}", "detail": [{"loc": ["body", *field], "msg": message}]},
-    )
+    detail = [ErrorDetail(loc=["body", *field], msg=message)]
+    return _error_response(422, ErrorResponse(message=f"{name}: {message}", detail=detail))
 
 
 def _check_limits(req: RetrieveRequest, s: ServerSettings) -> JSONResponse | None:
@@ -124,56 +138,62 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
         first = errors[0] if errors else {"loc": ["body"], "msg": "invalid request"}
         name = ".".join(str(x) for x in first["loc"][1:]) or "body"
         # pydantic's error dicts can hold the offending value as a non-JSON object (bytes, exceptions).
-        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e.get("type", "")} for e in errors]
+        detail = [ErrorDetail(loc=list(e["loc"]), msg=e["msg"], type=e.get("type", "")) for e in errors]
         if request.url.path == "/retrieve":
             metrics.requests.labels(status="422").inc()
-        return JSONResponse(status_code=422, content={"message": f"{name}: {first['msg']}", "detail": detail})
+        return _error_response(422, ErrorResponse(message=f"{name}: {first['msg']}", detail=detail))
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
         metrics.requests.labels(status="401").inc()
-        return JSONResponse(
-            status_code=401,
-            content={"message": f"missing or wrong bearer token (the server's {TOKEN_ENV})"},
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        body = ErrorResponse(message=f"missing or wrong bearer token (the server's {TOKEN_ENV})")
+        return _error_response(401, body, headers={"WWW-Authenticate": "Bearer"})
 
-    # Returns a JSONResponse built directly: FastAPI's generic response path (jsonable_encoder over every hit)
-    # costs more per request than encoding a query does.
-    @app.post("/retrieve", dependencies=[Depends(require_token)], response_model=None)
-    async def retrieve(req: RetrieveRequest) -> JSONResponse:
+    error_responses = {
+        401: {"model": ErrorResponse, "description": f"missing or wrong bearer token (when {TOKEN_ENV} is set)"},
+        422: {"model": ErrorResponse, "description": "bad input; `message` names the field"},
+    }
+
+    # FastAPI serializes the answer with pydantic-core straight to JSON bytes (its fast path for a response model).
+    @app.post(
+        "/retrieve", dependencies=[Depends(require_token)], response_model=ScoredRetrieveResponse | RetrieveResponse,
+        responses=error_responses,
+    )
+    async def retrieve(req: RetrieveRequest) -> ScoredRetrieveResponse | RetrieveResponse | JSONResponse:
         start = time.perf_counter()
         if (bad := _check_limits(req, settings)) is not None:
             metrics.requests.labels(status="422").inc()
             return bad
         k = req.topk if req.topk is not None else settings.default_topk
         results = await searcher.search(req.queries, k)
-        if req.return_scores:
-            body = [
-                [{"document": {"id": h.id, "contents": h.contents}, "score": h.score} for h in hits] for hits in results
-            ]
-        else:
-            body = [[{"id": h.id, "contents": h.contents} for h in hits] for hits in results]
         metrics.requests.labels(status="200").inc()
         metrics.request_seconds.observe(time.perf_counter() - start)
-        return JSONResponse({"result": body})
+        return retrieve_response(results, req.return_scores)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Health:
         m = index.manifest
-        return {
-            "status": "ok",
-            "index_loaded": True,
-            "kind": m.kind,
-            "num_docs": m.corpus.num_docs,
-            "index_factory": m.index_factory,
-            "encoder": m.encoder.name if m.encoder else None,
-            "passage_dtype": m.encoder.passage_dtype if m.encoder else None,
-            "batching": settings.batching,
-            "cache_entries": len(searcher.cache),
-        }
+        return Health(
+            kind=m.kind,
+            num_docs=m.corpus.num_docs,
+            index_factory=m.index_factory,
+            encoder=m.encoder.name if m.encoder else None,
+            passage_dtype=m.encoder.passage_dtype if m.encoder else None,
+            corpus_sha256=m.corpus.sha256,
+            batching=settings.batching,
+            cache_entries=len(searcher.cache),
+            limits=settings.limits,
+        )
 
-    @app.get("/metrics", dependencies=[Depends(require_token)])
+    @app.get("/tool")
+    async def tool() -> OpenAITool:
+        """The search tool in OpenAI's function-calling form, under this server's limits."""
+        return openai_tool(settings.limits)
+
+    @app.get(
+        "/metrics", dependencies=[Depends(require_token)], response_class=PlainTextResponse,
+        responses={401: error_responses[401]},
+    )
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

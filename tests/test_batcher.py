@@ -6,8 +6,8 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from retriever.api import Hit
 from retriever.batcher import BatchingSearcher, ResultCache
-from retriever.docstore import Hit
 
 
 class FakeIndex:

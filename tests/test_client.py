@@ -4,8 +4,8 @@ import time
 import httpx
 import pytest
 
+from retriever.api import Hit
 from retriever.client import AsyncRetrieverClient, RetrieverClient, RetrieverError, RetrieverUnavailable, format_hits
-from retriever.docstore import Hit
 from retriever.process import free_port, running_server
 
 

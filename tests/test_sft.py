@@ -15,8 +15,7 @@ from agent.protocol import observation_ids, prompt_ids, prompt_text
 from agent.trajectory import Trajectory, load_jsonl
 from data.qa import QAExample
 from eval.metrics import normalize_answer
-from retriever.client import RetrieverClient, format_hits
-from retriever.docstore import Hit
+from retriever.client import Hit, RetrieverClient, format_hits
 from trainer.config import load_config
 from trainer.demonstrations import build_demonstrations, gold_in_hits, keyword_query
 from trainer.sft import SFTTrainer, sft_loss

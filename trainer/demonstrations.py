@@ -23,8 +23,7 @@ from agent.protocol import encode, observation_ids, prompt_ids, prompt_text
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
 from eval.metrics import normalize_answer
-from retriever.client import format_hits
-from retriever.docstore import Hit
+from retriever.client import Hit, format_hits
 
 FIRST_THINK = "<think> I need to look this up. </think>\n"
 MISS_THINK = "<think> These documents do not give the answer. I will search again. </think>\n"
