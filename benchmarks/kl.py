@@ -54,7 +54,8 @@ def inputs(estimator: str, tokens: int, vocab: int, hidden: int, device: str) ->
 
 def loss(estimator: str, x: dict, chunk: int) -> torch.Tensor:
     if estimator == "exact":
-        return token_logprobs(x["hidden"], x["head"], x["tokens"], chunk_tokens=chunk, reference=x["reference"]).kl.mean()
+        out = token_logprobs(x["hidden"], x["head"], x["tokens"], chunk_tokens=chunk, reference=x["reference"])
+        return out.kl.mean()
     if estimator == "topk":
         ids = torch.cat([x["topk_ids"], x["tokens"]], -1)
         logprobs = token_logprobs(x["hidden"], x["head"], ids, chunk_tokens=chunk).logprobs
@@ -178,7 +179,8 @@ def main() -> None:
         extra_topk = topk["peak_bytes"] - k3["peak_bytes"]
         extra_exact = row["exact"]["peak_bytes"] - k3["peak_bytes"]
         results[str(vocab)] = {
-            **{v: {"seconds": round(r["seconds"], 4), "peak_mb": round(r["peak_bytes"] / 2**20, 1)} for v, r in row.items()},
+            **{v: {"seconds": round(r["seconds"], 4), "peak_mb": round(r["peak_bytes"] / 2**20, 1)}
+               for v, r in row.items()},
             "topk_extra_memory_over_exact_extra": round(extra_topk / extra_exact, 4) if extra_exact > 0 else None,
             "topk_time_over_k3": round(topk["seconds"] / k3["seconds"], 3),
             "exact_time_over_k3": round(row["exact"]["seconds"] / k3["seconds"], 3),

@@ -212,7 +212,9 @@ def token_logprobs(
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     if grad and topk is not None:
         raise ValueError("topk ids are for no-grad passes (prepare); compute them under torch.no_grad()")
-    ref_hidden, ref_weight = (None, None) if reference is None else (reference[0].detach(), reference[1].weight.detach())
+    ref_hidden = ref_weight = None
+    if reference is not None:
+        ref_hidden, ref_weight = reference[0].detach(), reference[1].weight.detach()
     if not grad:  # nothing to differentiate: the forward blocks alone (with top-k if asked)
         dtype = compute_dtype(head.weight)
         out = _forward_blocks(hidden, head.weight.to(dtype), ids, ref_hidden,
