@@ -23,7 +23,8 @@ print(json.dumps({"benchmark": "gpu_check", "device_name": p.name, "memory_gb": 
                   "torch": torch.__version__, "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported()}))
 PY
 
-# KL estimators in the loss at Qwen's vocabulary (time, memory: Top-k against exact), EMA update against AdamW.
+# KL estimators in the loss at Qwen's vocabulary (time, memory: Top-k against exact, each with the LM head unchunked
+# and chunked), EMA update against AdamW.
 "$PYTHON" benchmarks/kl.py --device cuda --vocab 151936
 # The learner's bf16 step at Qwen's vocabulary: a small model (the code path), then Qwen2.5-1.5B's shape with
 # configs/gpu_1x.yaml's micro-batch of 1, without and with activation checkpointing (memory and tokens/s against

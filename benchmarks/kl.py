@@ -1,14 +1,17 @@
-"""KL estimators in the loss: time and peak memory of (loss + backward) for exact, Top-k (k = 32) and k3 at
-Qwen's and SmolLM2's vocabulary sizes, 2,048 tokens; and the EMA anchor update against an optimizer step.
-Prints one JSON line.
+"""KL estimators in the loss: time and peak memory of (LM head + loss + backward) for exact, Top-k (k = 32) and k3
+at Qwen's and SmolLM2's vocabulary sizes, 2,048 tokens, each with the whole logits at once (unchunked, as before
+chunking) and chunked (`train.logprob_chunk_tokens`, trainer/logprobs.py); and the EMA anchor update against an
+optimizer step. Prints one JSON line.
 
-Memory is the peak above what the inputs already hold (the policy's fp32 logits with their gradient, and what
-each estimator needs from the anchor: full logits for exact, k + 1 log-probs per token for Top-k, one for k3).
-On CPU each measurement runs in its own process: the kernel's RSS high-water mark is reset (clear_refs) after
-the inputs are built, and the peak above the RSS at that point is read back (VmHWM); on CUDA,
-max_memory_allocated above the allocated memory before the step.
+The inputs are what the learner has before its head: the final hidden states (tokens x hidden, with gradient) and the
+head weight (V x hidden, with gradient, as a tied embedding is trained), plus what each estimator needs from the
+anchor: its hidden states and head for exact, k + 1 log-probs per token for Top-k, one for k3. Memory is the peak
+above those inputs and their gradient buffers (kept between repeats, as gradient accumulation keeps them). Each
+estimator runs in its own process, its unchunked and chunked paths alternating (best time, highest peak of each):
+on CPU the kernel's RSS high-water mark is reset (clear_refs) before each pass and the peak above the RSS at that
+point read back (VmHWM); on CUDA, max_memory_allocated above the allocated memory before the pass.
 
-    python benchmarks/kl.py [--device cuda] [--tokens 2048] [--vocab 49152 151936]
+    python benchmarks/kl.py [--device cuda] [--tokens 2048] [--vocab 49152 151936] [--hidden 576] [--chunk 256]
 """
 
 from __future__ import annotations
@@ -21,35 +24,44 @@ import time
 
 import torch
 
-from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
+from trainer.kl import sampled_kl, topk_kl_from_logprobs
+from trainer.logprobs import token_logprobs
 
 K = 32
+ESTIMATORS = ("k3", "topk", "exact")
 
 
-def inputs(variant: str, tokens: int, vocab: int, device: str) -> dict:
+def inputs(estimator: str, tokens: int, vocab: int, hidden: int, device: str) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(1, tokens, vocab, generator=g).to(device).requires_grad_(True)
-    sampled = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
-    x = {"logits": logits, "tokens": sampled}
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():  # logits of a few units' spread, like a trained model's
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) / hidden**0.5)
+    head = head.to(device)
+    states = torch.randn(tokens, hidden, generator=g).to(device).requires_grad_(True)
+    sampled = torch.randint(0, vocab, (tokens, 1), generator=g).to(device)
+    ref_head = torch.nn.Linear(hidden, vocab, bias=False).to(device).requires_grad_(False)
     with torch.no_grad():
-        ref_logits = logits + 0.1 * torch.randn(1, tokens, vocab, generator=g).to(device)
-        x["ref_token_logprob"] = gather_logprobs(ref_logits, sampled[..., None])[..., 0]
-        if variant == "exact":
-            x["ref_logits"] = ref_logits
-        elif variant == "topk":
-            x["topk_ids"] = logits.topk(K, dim=-1).indices
-            x["ref_topk_logprobs"] = gather_logprobs(ref_logits, x["topk_ids"])
-        del ref_logits
+        ref_head.weight.copy_(head.weight + 0.1 * torch.randn(vocab, hidden, generator=g).to(device) / hidden**0.5)
+        top = token_logprobs(states, head, sampled, topk=K, chunk_tokens=256).topk_ids
+        ref = token_logprobs(states, ref_head, torch.cat([top, sampled], -1), chunk_tokens=256).logprobs
+    x = {"hidden": states, "head": head, "tokens": sampled, "ref_token_logprob": ref[:, -1]}
+    if estimator == "exact":
+        x["reference"] = (states.detach().clone(), ref_head)
+    elif estimator == "topk":
+        x["topk_ids"], x["ref_topk_logprobs"] = top, ref[:, :-1]
     return x
 
 
-def loss(variant: str, x: dict) -> torch.Tensor:
-    if variant == "exact":
-        return exact_kl(x["logits"], x["ref_logits"], "reverse").mean()
-    if variant == "topk":
-        return topk_kl(x["logits"], x["ref_topk_logprobs"], x["ref_token_logprob"], x["topk_ids"], x["tokens"],
-                       direction="reverse").mean()
-    logprob = gather_logprobs(x["logits"], x["tokens"][..., None])[..., 0]
+def loss(estimator: str, x: dict, chunk: int) -> torch.Tensor:
+    if estimator == "exact":
+        out = token_logprobs(x["hidden"], x["head"], x["tokens"], chunk_tokens=chunk, reference=x["reference"])
+        return out.kl.mean()
+    if estimator == "topk":
+        ids = torch.cat([x["topk_ids"], x["tokens"]], -1)
+        logprobs = token_logprobs(x["hidden"], x["head"], ids, chunk_tokens=chunk).logprobs
+        return topk_kl_from_logprobs(logprobs[:, :-1], logprobs[:, -1], x["ref_topk_logprobs"], x["ref_token_logprob"],
+                                     x["topk_ids"], x["tokens"][:, 0], direction="reverse").mean()
+    logprob = token_logprobs(x["hidden"], x["head"], x["tokens"], chunk_tokens=chunk).logprobs[:, 0]
     return sampled_kl(logprob, x["ref_token_logprob"], "k3").mean()
 
 
@@ -75,20 +87,29 @@ def peak_bytes(device: str) -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def measure_one(variant: str, tokens: int, vocab: int, device: str, repeats: int) -> dict:
-    x = inputs(variant, tokens, vocab, device)
-    loss(variant, x).backward()  # warm-up
-    x["logits"].grad = None
-    base = reset_peak(device)
-    times = []
+def measure_one(estimator: str, chunk: int, tokens: int, vocab: int, hidden: int, device: str, repeats: int) -> dict:
+    """The unchunked and the chunked path of one estimator in one process, alternating (load that drifts during the
+    run hits both alike): best time and peak memory of each."""
+    x = inputs(estimator, tokens, vocab, hidden, device)
+    params = [x["hidden"], x["head"].weight]
+    paths = {"unchunked": 0, "chunked": chunk}
+    for size in paths.values():  # warm-up; allocates the gradient buffers, kept (zeroed) from here on
+        loss(estimator, x, size).backward()
+    results = {name: {"seconds": float("inf"), "peak_bytes": 0} for name in paths}
     for _ in range(repeats):
-        start = time.perf_counter()
-        loss(variant, x).backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        x["logits"].grad = None
-    return {"seconds": min(times), "peak_bytes": peak_bytes(device) - base}
+        for name, size in paths.items():
+            for p in params:
+                p.grad.zero_()
+            base = reset_peak(device)
+            start = time.perf_counter()
+            loss(estimator, x, size).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            result = results[name]
+            result["seconds"] = min(result["seconds"], seconds)
+            result["peak_bytes"] = max(result["peak_bytes"], peak_bytes(device) - base)
+    return results
 
 
 def ema_vs_optimizer(device: str) -> dict:
@@ -134,29 +155,42 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
+    ap.add_argument("--hidden", type=int, default=576, help="the head's input width (SmolLM2-135M's by default)")
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk on the chunked path")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--one", nargs=2, metavar=("VARIANT", "VOCAB"), help=argparse.SUPPRESS)
+    ap.add_argument("--no-ema", action="store_true", help="skip the EMA-update measurement")
+    ap.add_argument("--one", nargs=2, metavar=("ESTIMATOR", "VOCAB"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:  # child process: one measurement, its own peak RSS
-        print(json.dumps(measure_one(args.one[0], args.tokens, int(args.one[1]), args.device, args.repeats)))
+    if args.one:  # child process: one estimator, its own memory
+        estimator, vocab = args.one[0], int(args.one[1])
+        print(json.dumps(measure_one(estimator, args.chunk, args.tokens, vocab, args.hidden, args.device,
+                                     args.repeats)))
         return
     results = {}
     for vocab in args.vocab:
         row = {}
-        for variant in ("k3", "topk", "exact"):
-            cmd = [sys.executable, __file__, "--one", variant, str(vocab), "--tokens", str(args.tokens),
-                   "--device", args.device, "--repeats", str(args.repeats)]
-            row[variant] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        extra_topk = row["topk"]["peak_bytes"] - row["k3"]["peak_bytes"]
-        extra_exact = row["exact"]["peak_bytes"] - row["k3"]["peak_bytes"]
+        for estimator in ESTIMATORS:
+            cmd = [sys.executable, __file__, "--one", estimator, str(vocab), "--tokens", str(args.tokens),
+                   "--hidden", str(args.hidden), "--chunk", str(args.chunk), "--device", args.device,
+                   "--repeats", str(args.repeats)]
+            both = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            row[estimator], row[f"{estimator}_chunked"] = both["unchunked"], both["chunked"]
+        k3, topk, chunked = row["k3"], row["topk"], row["topk_chunked"]
+        extra_topk = topk["peak_bytes"] - k3["peak_bytes"]
+        extra_exact = row["exact"]["peak_bytes"] - k3["peak_bytes"]
         results[str(vocab)] = {
-            **{v: {"seconds": round(r["seconds"], 4), "peak_mb": round(r["peak_bytes"] / 2**20, 1)} for v, r in row.items()},
+            **{v: {"seconds": round(r["seconds"], 4), "peak_mb": round(r["peak_bytes"] / 2**20, 1)}
+               for v, r in row.items()},
             "topk_extra_memory_over_exact_extra": round(extra_topk / extra_exact, 4) if extra_exact > 0 else None,
-            "topk_time_over_k3": round(row["topk"]["seconds"] / row["k3"]["seconds"], 3),
-            "exact_time_over_k3": round(row["exact"]["seconds"] / row["k3"]["seconds"], 3),
+            "topk_time_over_k3": round(topk["seconds"] / k3["seconds"], 3),
+            "exact_time_over_k3": round(row["exact"]["seconds"] / k3["seconds"], 3),
+            "topk_chunked_peak_over_k3_peak": round(chunked["peak_bytes"] / k3["peak_bytes"], 4),
+            "topk_chunked_time_over_topk": round(chunked["seconds"] / topk["seconds"], 3),
+            "topk_chunked_time_over_k3": round(chunked["seconds"] / k3["seconds"], 3),
         }
-    print(json.dumps({"benchmark": "kl", "device": args.device, "tokens": args.tokens, "k": K,
-                      "by_vocab": results, "ema": ema_vs_optimizer(args.device)}))
+    print(json.dumps({"benchmark": "kl", "device": args.device, "tokens": args.tokens, "hidden": args.hidden, "k": K,
+                      "chunk_tokens": args.chunk, "by_vocab": results,
+                      **({} if args.no_ema else {"ema": ema_vs_optimizer(args.device)})}))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ trainer runs on a GPU and sizes a step there; on CPU it runs the same code with 
 Trajectories are synthetic but shaped like search rollouts: a prompt, then model turns (loss_mask 1) alternating
 with observations (loss_mask 0), turn lengths varying by row so micro-batches are cut to different widths.
 Times are the best of --steps after one warm-up step; peak memory is CUDA's max_memory_allocated (weights,
-optimizer state and anchor included), or the process's peak RSS on CPU. `--gradient-checkpointing both` runs the
-step twice, in fresh processes (peak memory does not reset), without and with activation checkpointing, and prints
-both and their ratios.
+optimizer state and anchor included), or the process's peak RSS on CPU. Two comparisons run the step twice, in
+fresh processes (peak memory does not reset), and print both and their ratios: `--gradient-checkpointing both`
+(without and with activation checkpointing) and `--logprob-chunk-tokens both` (the LM head over all of a
+micro-batch's tokens at once against 256 at a time).
 
     python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
         [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
         [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
-        [--gradient-checkpointing off|on|both]
+        [--gradient-checkpointing off|on|both] [--logprob-chunk-tokens N|both]
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ def main() -> None:
     ap.add_argument("--autocast", default="bfloat16", choices=["none", "bfloat16"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gradient-checkpointing", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--logprob-chunk-tokens", default="256", help="train.logprob_chunk_tokens, or both (0 and 256)")
     args = ap.parse_args()
     if args.gradient_checkpointing == "both":
-        compare_checkpointing()
+        compare("train_step_gradient_checkpointing", "--gradient-checkpointing", {"off": "off", "on": "on"})
+        return
+    if args.logprob_chunk_tokens == "both":
+        compare("train_step_logprob_chunks", "--logprob-chunk-tokens", {"unchunked": "0", "chunked": "256"})
         return
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -107,6 +112,7 @@ def main() -> None:
         f"train.prompts_per_iteration={args.trajectories}", "train.rollouts_per_prompt=1",
         f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
         f"autocast={args.autocast}", f"train.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
+        f"train.logprob_chunk_tokens={args.logprob_chunk_tokens}",
     ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
     learning = PolicyTrainer(cfg, policy)  # the trainer's own: EMA anchor, AdamW + schedule, Learner
     learner, anchor = learning.learner, learning.anchor
@@ -144,6 +150,7 @@ def main() -> None:
         "benchmark": "train_step", "device": device, "device_name": device_name(device),
         "torch": torch.__version__, "autocast": args.autocast,
         "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens,
         "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "params": sum(p.numel() for p in policy.parameters())},
         "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
@@ -155,21 +162,31 @@ def main() -> None:
     }))
 
 
-def compare_checkpointing() -> None:
-    """This script's step without and with activation checkpointing, each in a fresh process, then the ratios."""
-    argv = [a for a in sys.argv[1:] if a not in ("--gradient-checkpointing", "both", "--gradient-checkpointing=both")]
+def compare(benchmark: str, option: str, variants: dict[str, str]) -> None:
+    """This script's step with `option` at each of two values (label -> value), each in a fresh process, then the
+    ratios (second over first). The other arguments pass through."""
+    argv, i = [], 1
+    while i < len(sys.argv):
+        arg = sys.argv[i]
+        flag = arg.split("=", 1)[0]
+        if flag == option:  # set per run below
+            i += 1 if "=" in arg else 2
+        else:
+            argv.append(arg)
+            i += 1
     results = {}
-    for mode in ("off", "on"):
-        out = subprocess.run([sys.executable, __file__, *argv, "--gradient-checkpointing", mode],
-                             capture_output=True, text=True, check=False)
+    for label, value in variants.items():
+        out = subprocess.run([sys.executable, __file__, *argv, option, value], capture_output=True, text=True,
+                             check=False)
         if out.returncode != 0:
-            sys.exit(f"--gradient-checkpointing {mode} failed:\n{out.stderr[-2000:]}")
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    off, on = results["off"], results["on"]
-    print(json.dumps({"benchmark": "train_step_gradient_checkpointing", "off": off, "on": on,
-                      "update_s_on_over_off": round(on["update_s"] / off["update_s"], 3),
-                      "peak_memory_on_over_off": round(on["peak_memory_gb"] / off["peak_memory_gb"], 3),
-                      "loss_equal": on["loss"] == off["loss"]}))
+            sys.exit(f"{option} {value} failed:\n{out.stderr[-2000:]}")
+        results[label] = json.loads(out.stdout.strip().splitlines()[-1])
+    (a, first), (b, second) = results.items()
+    print(json.dumps({"benchmark": benchmark, **results,
+                      f"update_s_{b}_over_{a}": round(second["update_s"] / first["update_s"], 3),
+                      f"step_s_{b}_over_{a}": round(second["step_s"] / first["step_s"], 3),
+                      f"peak_memory_{b}_over_{a}": round(second["peak_memory_gb"] / first["peak_memory_gb"], 3),
+                      "loss_equal": second["loss"] == first["loss"]}))
 
 
 if __name__ == "__main__":

@@ -33,11 +33,12 @@ def ragged_trajectories(vocab: int, n: int = 6) -> list[Trajectory]:
     return out
 
 
-def make_learner(model, micro: int, aggregation: str, estimator: str = "topk") -> Learner:
+def make_learner(model, micro: int, aggregation: str, estimator: str = "topk", *overrides: str,
+                 temperature: float = 1.0) -> Learner:
     cfg = load_config(overrides=[
         "train.prompts_per_iteration=3", "train.rollouts_per_prompt=2", "train.mini_batch_size=6",
         f"train.micro_batch_size={micro}", f"train.aggregation={aggregation}", "train.grad_clip=1e9",
-        f"kl.estimator={estimator}", "kl.topk=4", "kl.beta=0.5",
+        f"kl.estimator={estimator}", "kl.topk=4", "kl.beta=0.5", *overrides,
     ])
     anchor_model = copy.deepcopy(model)
     with torch.no_grad():  # an anchor that differs from the policy, so the KL term has a gradient
@@ -46,7 +47,7 @@ def make_learner(model, micro: int, aggregation: str, estimator: str = "topk") -
     anchor = EmaAnchor(anchor_model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the update leaves the gradient to inspect
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return Learner(model, anchor, optimizer, scheduler, cfg.train, cfg.kl)
+    return Learner(model, anchor, optimizer, scheduler, cfg.train, cfg.kl, temperature)
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
@@ -142,3 +143,73 @@ def test_packed_update_equals_the_full_logits_reference(tiny_model, tokenizer):
     (pg + 0.5 * masked_mean(kl, mask)).backward()
     full_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
     torch.testing.assert_close(packed_grad, full_grad, rtol=1e-4, atol=1e-5 * float(full_grad.abs().max()))
+
+
+ESTIMATORS = [("topk", "reverse"), ("topk", "forward"), ("exact", "reverse"), ("exact", "forward"),
+              *((kind, "reverse") for kind in ("k1", "k2", "k3", "k3pp", "k4", "k5")), ("none", "reverse")]
+
+
+def full_logits_loss(policy, anchor, batch, estimator: str, direction: str, entropy_coef: float):
+    """Today's learner loss written the straightforward way, from the whole (N, T, V) logits of both models: the
+    reference the chunked path must reproduce."""
+    from trainer.advantages import broadcast_to_tokens
+    from trainer.kl import exact_kl, sampled_kl, topk_kl
+    from trainer.policy_loss import masked_mean, ppo_clip_loss
+
+    mask, ids = batch.loss_mask, batch.response_ids
+    logits = response_logits(policy, batch, temperature=0.8)
+    with torch.no_grad():
+        anchor_logits = response_logits(anchor, batch, temperature=0.8)
+        old = gather_logprobs(logits, ids[..., None])[..., 0]
+        top = (logits if direction == "reverse" else anchor_logits).topk(4, dim=-1).indices
+        anchor_values = gather_logprobs(anchor_logits, torch.cat([top, ids[..., None]], -1))
+    logprob = gather_logprobs(logits, ids[..., None])[..., 0]
+    loss, _ = ppo_clip_loss(logprob, old, broadcast_to_tokens(batch.advantages, mask), mask)
+    if estimator == "topk":
+        kl = topk_kl(logits, anchor_values[..., :-1], anchor_values[..., -1], top, ids, direction=direction,
+                     old_token_logprob=old)
+    elif estimator == "exact":
+        kl = exact_kl(logits, anchor_logits, direction)
+    elif estimator != "none":
+        kl = sampled_kl(logprob, anchor_values[..., -1], estimator, old_logprob=old)
+    if estimator != "none":
+        loss = loss + 0.5 * masked_mean(kl, mask)
+    logp = torch.log_softmax(logits, -1)
+    return loss - entropy_coef * masked_mean(-(logp.exp() * logp).sum(-1), mask)
+
+
+@pytest.mark.parametrize(("estimator", "direction"), ESTIMATORS)
+def test_chunked_logprobs_give_the_full_logits_losses_and_gradients(tiny_model, tokenizer, estimator, direction):
+    """Chunks of 3 model tokens (the ragged batch has 6-13 per micro-batch: uneven last chunks) and no chunking give
+    the same pi_old / anchor values, losses and gradients as the full-logits reference, for every KL estimator; with
+    an entropy bonus and a sampling temperature, so every term of the head's backward pass is exercised."""
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    entropy_coef = 0.1 if estimator in ("topk", "exact") else 0.0
+    results = {}
+    for chunk in (3, 0):
+        model = copy.deepcopy(tiny_model)
+        torch.manual_seed(0)
+        learner = make_learner(model, 3, "token-mean", estimator, f"kl.direction={direction}",
+                               f"train.logprob_chunk_tokens={chunk}", f"train.entropy_coef={entropy_coef}",
+                               temperature=0.8)
+        batch = collate(trajs, advantages, tokenizer.pad_token_id)
+        learner.prepare(batch)
+        stats = learner.update(batch, torch.Generator().manual_seed(0))
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[chunk] = (stats, grad, batch, learner.anchor_logits.model)
+    (chunked, grad, batch, anchor), (unchunked, unchunked_grad, unchunked_batch, _) = results[3], results[0]
+    for a, b in zip((batch.old_logprobs, batch.ref_token_logprob, batch.ref_topk_logprobs),
+                    (unchunked_batch.old_logprobs, unchunked_batch.ref_token_logprob,
+                     unchunked_batch.ref_topk_logprobs), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(batch.topk_ids, unchunked_batch.topk_ids)
+    for key in ("loss", "policy_loss", "entropy", *(("kl",) if estimator != "none" else ())):
+        assert chunked[key] == pytest.approx(unchunked[key], rel=1e-5, abs=1e-6), key
+
+    reference = copy.deepcopy(tiny_model)
+    full_logits_loss(reference, anchor, batch, estimator, direction, entropy_coef).backward()
+    full_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    assert full_grad.abs().sum() > 0
+    for g in (grad, unchunked_grad):
+        torch.testing.assert_close(g, full_grad, rtol=1e-4, atol=1e-5 * float(full_grad.abs().max()))

@@ -1,8 +1,10 @@
-"""Trajectories -> padded tensors for the learner, and the policy's logits at the response positions.
+"""Trajectories -> padded tensors for the learner, and the policy's hidden states, logits or per-token log-prob
+statistics at the response positions.
 
 Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row
 sits at column P + j and is predicted by the logits at column P + j - 1. The learner slices the decoder's hidden
-states to those T columns before the LM head: the prompt's V-wide logits are never built.
+states to those T columns (to its model tokens, in fact) before the LM head: the prompt's V-wide logits are never
+built, and with chunking (trainer.logprobs) neither are all of the response's at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from agent.trajectory import Trajectory
+from trainer.logprobs import TokenLogprobs, token_logprobs
 
 
 @dataclass
@@ -85,32 +88,45 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int) -> 
     return RolloutBatch(input_ids, attention, positions, response, loss_mask, sampler, advantages.float(), width_p)
 
 
-def response_logits(model, batch: RolloutBatch, temperature: float = 1.0, only: Tensor | None = None) -> Tensor:
-    """(N, T, V) float32 logits predicting each response token, divided by the sampling temperature so that
-    log-probs are those of the distribution the rollout sampled from. With `only` (an (N, T) bool mask), the
-    (M, V) logits at those positions alone: the LM head never runs where nothing is learned (observations)."""
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(  # no KV cache: nothing is generated here, and a cache would hold every layer's keys/values
+def response_hidden(model, batch: RolloutBatch, only: Tensor | None = None) -> Tensor:
+    """(N, T, H) final hidden states predicting each response token, or with `only` (an (N, T) bool mask) the (M, H)
+    states at those positions alone: the LM head never runs where nothing is learned (observations)."""
+    hidden = model.get_decoder()(  # no KV cache: nothing is generated here, and a cache would hold every layer's K/V
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
         use_cache=False,
     ).last_hidden_state
     p, t = batch.prompt_width, batch.response_ids.shape[1]
     hidden = hidden[:, p - 1 : p - 1 + t]
-    logits = head(hidden if only is None else hidden[only]).float()
+    return hidden if only is None else hidden[only]
+
+
+def response_logits(model, batch: RolloutBatch, temperature: float = 1.0, only: Tensor | None = None) -> Tensor:
+    """(N, T, V) float32 logits predicting each response token, divided by the sampling temperature so that
+    log-probs are those of the distribution the rollout sampled from; with `only`, the (M, V) logits there."""
+    logits = model.get_output_embeddings()(response_hidden(model, batch, only)).float()
     return logits / temperature if temperature not in (0.0, 1.0) else logits
 
 
-class ResponseLogits(torch.nn.Module):
-    """`response_logits` of `model` as a module: DDP syncs gradients only for passes through its wrapper's forward,
-    so the learner wraps this (not the causal LM, whose own forward would build the prompt's logits too)."""
+class ResponseLogprobs(torch.nn.Module):
+    """Per-token log-prob statistics of `model` at a micro-batch's model tokens (loss_mask), as a module: DDP syncs
+    gradients only for passes through its wrapper's forward, and FSDP gathers a root's weights in the root's
+    forward, so the learner wraps this (not the causal LM, whose own forward would build the prompt's logits too).
+    `chunk_tokens` > 0: the LM head runs that many tokens at a time (trainer.logprobs), never on all of them."""
 
-    def __init__(self, model, temperature: float = 1.0):
+    def __init__(self, model, temperature: float = 1.0, chunk_tokens: int = 0):
         super().__init__()
         self.model = model
-        self.temperature = temperature
+        self.temperature = temperature or 1.0  # greedy (0) evaluates at temperature 1
+        self.chunk_tokens = chunk_tokens
 
-    def forward(self, batch: RolloutBatch, only: Tensor | None = None) -> Tensor:
-        return response_logits(self.model, batch, self.temperature, only)
+    def forward(self, batch: RolloutBatch, ids: Tensor | None = None, **options) -> TokenLogprobs | Tensor:
+        """`token_logprobs` at the (M, n) `ids` of the micro-batch's M model tokens (options: entropy, entropy_grad,
+        topk, reference, direction); without `ids`, the (M, H) hidden states there (the exact KL's reference)."""
+        hidden = response_hidden(self.model, batch, only=batch.loss_mask)
+        if ids is None:
+            return hidden
+        return token_logprobs(hidden, self.model.get_output_embeddings(), ids, temperature=self.temperature,
+                              chunk_tokens=self.chunk_tokens, **options)
 
 
 def native_bf16(device_type: str) -> bool:

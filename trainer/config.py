@@ -88,6 +88,10 @@ class TrainSection(Section):
     # Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
     # falls to the layers' inputs plus one layer's worth, for about one more forward pass of compute.
     gradient_checkpointing: bool = False
+    # The learner's per-token log-probs, entropy and Top-k gathers run the LM head this many model tokens at a time,
+    # recomputing each chunk's logits in the backward pass: at most chunk x V logits alive instead of every token's
+    # (V = 151,936 for Qwen: ~0.6 MB per token in fp32). 0 = all of a micro-batch's tokens at once.
+    logprob_chunk_tokens: int = Field(256, ge=0)
 
 
 class KLSection(Section):

@@ -120,7 +120,34 @@ def gather_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
 
 
 def topk_kl(
-    logits: Tensor,
+    logits: Tensor, ref_topk_logprobs: Tensor, ref_token_logprob: Tensor, topk_ids: Tensor, tokens: Tensor, **options
+) -> Tensor:
+    """`topk_kl_from_logprobs` from the policy's whole logits (B, T, V) (the only input that carries gradient):
+    the reference form, where the learner computes the log-probs chunk by chunk (trainer.logprobs). `options`:
+    direction, old_token_logprob, iw_clip. k may also be V (the exact KL)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
+    batch_shape, vocab = logits.shape[:2], logits.shape[2]
+    _check_topk_ids(topk_ids, tokens, batch_shape, "logits[..., 0]")
+    if topk_ids.shape[2] > vocab:
+        raise ValueError(f"k = {topk_ids.shape[2]} exceeds the vocabulary size {vocab}")
+    # One gather for the head ids and the sampled token: (B, T, k + 1), nothing of size V beyond the logits.
+    logprobs = gather_logprobs(logits, torch.cat([topk_ids, tokens.unsqueeze(-1)], dim=-1))
+    return topk_kl_from_logprobs(logprobs[..., :-1], logprobs[..., -1], ref_topk_logprobs, ref_token_logprob, topk_ids,
+                                 tokens, **options)
+
+
+def _check_topk_ids(topk_ids: Tensor, tokens: Tensor, batch_shape: torch.Size, batch_name: str) -> None:
+    if topk_ids.dim() != len(batch_shape) + 1 or topk_ids.shape[:-1] != batch_shape:
+        raise ValueError(f"topk_ids must be {tuple(batch_shape)} + (k,), got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype != torch.long or tokens.dtype != torch.long:
+        raise ValueError(f"topk_ids and tokens must be int64 ids, got {topk_ids.dtype} and {tokens.dtype}")
+    _check_same_shape("tokens", tokens, batch_shape, batch_name)
+
+
+def topk_kl_from_logprobs(
+    head_logprobs: Tensor,
+    token_logprob: Tensor,
     ref_topk_logprobs: Tensor,
     ref_token_logprob: Tensor,
     topk_ids: Tensor,
@@ -130,15 +157,20 @@ def topk_kl(
     old_token_logprob: Tensor | None = None,
     iw_clip: float | None = None,
 ) -> Tensor:
-    """Top-k KL per token (design.md §4): exact on the head q, a sampled estimate on the tail, -> (B, T).
+    """Top-k KL per token (design.md §4): exact on the head q, a sampled estimate on the tail, -> (...).
 
-    logits:            (B, T, V) the current policy's logits (the only input that carries gradient).
-    topk_ids:          (B, T, k) q: the sampling policy pi_old's top-k for "reverse", the anchor's for "forward".
-                       k may be 0 (reduces to k4 / k5) or V (the exact KL).
-    ref_topk_logprobs: (B, T, k) log pi_ref at topk_ids.
-    ref_token_logprob: (B, T)    log pi_ref(p) of the sampled token.
-    tokens:            (B, T)    the sampled tokens p.
-    old_token_logprob: (B, T)    log pi_old(p); if given the tail is weighted by s = sg(pi_theta(p) / pi_old(p)),
+    From all the estimator reads of the policy's logits: its log-probs (normalised over the full vocabulary) at the
+    head ids and at the sampled token, the only inputs that carry gradient. So the learner can compute them chunk by
+    chunk (trainer.logprobs) without ever holding (..., V); `topk_kl` takes the whole logits instead.
+
+    head_logprobs:     (..., k) log pi_theta at topk_ids.
+    token_logprob:     (...)    log pi_theta(p) of the sampled token.
+    topk_ids:          (..., k) q: the sampling policy pi_old's top-k for "reverse", the anchor's for "forward".
+                       k may be 0 (reduces to k4 / k5).
+    ref_topk_logprobs: (..., k) log pi_ref at topk_ids.
+    ref_token_logprob: (...)    log pi_ref(p) of the sampled token.
+    tokens:            (...)    the sampled tokens p.
+    old_token_logprob: (...)    log pi_old(p); if given the tail is weighted by s = sg(pi_theta(p) / pi_old(p)),
                        clamped to at most `iw_clip` if that is given.
 
     With P_q = sum_{j in q} pi_theta(j):
@@ -150,29 +182,20 @@ def topk_kl(
     (forward) sum_{j not in q} grad pi_theta(j) = -grad P_q, so the expected gradient equals grad KL at any k.
     """
     _check_direction(direction)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    batch_shape, vocab = logits.shape[:2], logits.shape[2]
-    if topk_ids.dim() != 3 or topk_ids.shape[:2] != batch_shape:
-        raise ValueError(f"topk_ids must be (B, T, k) = {tuple(batch_shape)} + (k,), got {tuple(topk_ids.shape)}")
-    if topk_ids.dtype != torch.long or tokens.dtype != torch.long:
-        raise ValueError(f"topk_ids and tokens must be int64 ids, got {topk_ids.dtype} and {tokens.dtype}")
-    if topk_ids.shape[2] > vocab:
-        raise ValueError(f"k = {topk_ids.shape[2]} exceeds the vocabulary size {vocab}")
+    batch_shape = token_logprob.shape
+    _check_topk_ids(topk_ids, tokens, batch_shape, "token_logprob")
+    _check_same_shape("head_logprobs", head_logprobs, topk_ids.shape, "topk_ids")
     _check_same_shape("ref_topk_logprobs", ref_topk_logprobs, topk_ids.shape, "topk_ids")
-    _check_same_shape("tokens", tokens, batch_shape, "logits[..., 0]")
-    _check_same_shape("ref_token_logprob", ref_token_logprob, batch_shape, "logits[..., 0]")
+    _check_same_shape("ref_token_logprob", ref_token_logprob, batch_shape, "token_logprob")
     if old_token_logprob is not None:
-        _check_same_shape("old_token_logprob", old_token_logprob, batch_shape, "logits[..., 0]")
+        _check_same_shape("old_token_logprob", old_token_logprob, batch_shape, "token_logprob")
     if iw_clip is not None:
         if old_token_logprob is None:
             raise ValueError("iw_clip clamps the importance weight, which needs old_token_logprob")
         if not iw_clip > 0:
             raise ValueError(f"iw_clip must be positive, got {iw_clip}")
 
-    # One gather for the head ids and the sampled token: (B, T, k + 1), nothing of size V beyond the logits.
-    logprobs = gather_logprobs(logits, torch.cat([topk_ids, tokens.unsqueeze(-1)], dim=-1))
-    head_logprobs, token_logprob = logprobs[..., :-1], logprobs[..., -1]
+    head_logprobs, token_logprob = head_logprobs.float(), token_logprob.float()
     head_probs = head_logprobs.exp()
     head_mass = head_probs.sum(-1)  # P_q
     ref_head_logprobs = ref_topk_logprobs.float().detach()

@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import ResponseLogits, RolloutBatch, autocast, scatter_tokens
+from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
 from trainer.config import KLSection, TrainSection
 from trainer.ema import EmaAnchor
-from trainer.kl import exact_kl, gather_logprobs, sampled_kl, topk_kl
+from trainer.kl import sampled_kl, topk_kl_from_logprobs
+from trainer.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
 
 
@@ -45,16 +46,16 @@ def enable_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def fsdp_logits(model, temperature: float, mesh) -> ResponseLogits:
+def fsdp_logits(model, temperature: float, mesh) -> ResponseLogprobs:
     """FSDP2 over `mesh`: each decoder layer is one unit (its full weights exist only during its forward and
     backward), the rest (embeddings, final norm, tied output layer) belongs to the root. The root is the
-    ResponseLogits wrapper, not the causal LM: the learner never calls the LM's own forward, and FSDP gathers a
+    ResponseLogprobs wrapper, not the causal LM: the learner never calls the LM's own forward, and FSDP gathers a
     root's weights in the root's forward."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh)
-    return fully_shard(ResponseLogits(model, temperature), mesh=mesh)
+    return fully_shard(ResponseLogprobs(model, temperature), mesh=mesh)
 
 
 class Learner:
@@ -79,8 +80,10 @@ class Learner:
         self.autocast_kind = autocast_kind
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
-        self.policy_logits = policy_logits or ResponseLogits(policy, self.temperature)
-        self.anchor_logits = anchor_logits or ResponseLogits(anchor.module, self.temperature)
+        self.policy_logits = policy_logits or ResponseLogprobs(policy, self.temperature)
+        self.anchor_logits = anchor_logits or ResponseLogprobs(anchor.module, self.temperature)
+        # The learner's setting, also on wrappers made elsewhere (fsdp_logits).
+        self.policy_logits.chunk_tokens = self.anchor_logits.chunk_tokens = train.logprob_chunk_tokens
         self.sharded = hasattr(self.policy_logits, "set_requires_gradient_sync")  # an FSDP2 module
         if self.distributed and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
@@ -88,12 +91,14 @@ class Learner:
             # DDP broadcasts rank 0's weights at construction, so every rank starts from the same policy.
             self.policy_logits = DistributedDataParallel(self.policy_logits)
 
-    def logits(self, mb: RolloutBatch, anchor: bool = False) -> Tensor:
-        """(1, M, V) logits at the micro-batch's M model-token positions (loss_mask), as one packed row: every
-        per-token quantity is computed there only, never at observations or padding (nothing is learned there,
-        and they are most of a search trajectory's tokens). The policy's, or the anchor's."""
+    def token_stats(self, mb: RolloutBatch, ids: Tensor | None = None, anchor: bool = False,
+                    **options) -> TokenLogprobs | Tensor:
+        """Per-token log-prob statistics at the micro-batch's M model tokens (loss_mask), packed: log pi at the
+        (M, n) `ids` and what `options` ask for (trainer.logprobs.token_logprobs). Every per-token quantity is
+        computed there only, never at observations or padding (nothing is learned there, and they are most of a
+        search trajectory's tokens). The policy's, or the anchor's; without `ids`, the (M, H) hidden states."""
         with autocast(self.autocast_kind, self.policy):
-            return (self.anchor_logits if anchor else self.policy_logits)(mb, only=mb.loss_mask)[None]
+            return (self.anchor_logits if anchor else self.policy_logits)(mb, ids, **options)
 
     def gradient_sync(self, enabled: bool):
         """Context for one backward: with `enabled` False, gradients only accumulate locally (all but a rank's last
@@ -111,7 +116,8 @@ class Learner:
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> None:
         """Fill in pi_old's token log-probs and the anchor's values at the top-k ids, micro-batch by micro-batch:
-        the anchor's full-vocabulary log-probs exist only transiently, k + 1 values per token are kept."""
+        k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of tokens' logits
+        (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
         k, direction = self.kl.topk, self.kl.direction
         n, width = batch.response_ids.shape
         device = batch.response_ids.device
@@ -124,15 +130,19 @@ class Learner:
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
-            policy_logits = self.logits(mb)[0]
-            anchor_logits = self.logits(mb, anchor=True)[0]
-            source = policy_logits if direction == "reverse" else anchor_logits  # q: pi_old's or the anchor's top-k
-            top = source.topk(k, dim=-1).indices if k > 0 else tokens.new_zeros((len(tokens), 0))
-            anchor_values = gather_logprobs(anchor_logits, torch.cat([top, tokens], dim=-1))
-            batch.old_logprobs[rows, :w] = scatter_tokens(gather_logprobs(policy_logits, tokens)[:, 0], mask)
+            if direction == "reverse":  # q: pi_old's top-k; the anchor's log-probs there and at the token
+                policy = self.token_stats(mb, tokens, topk=k)
+                top = policy.topk_ids
+                anchor_values = self.token_stats(mb, torch.cat([top, tokens], dim=-1), anchor=True).logprobs
+                ref_topk, ref_token = anchor_values[:, :-1], anchor_values[:, -1]
+            else:  # q: the anchor's top-k
+                anchor = self.token_stats(mb, tokens, anchor=True, topk=k)
+                top, ref_topk, ref_token = anchor.topk_ids, anchor.topk_logprobs, anchor.logprobs[:, 0]
+                policy = self.token_stats(mb, tokens)
+            batch.old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
             batch.topk_ids[rows, :w] = scatter_tokens(top, mask)
-            batch.ref_topk_logprobs[rows, :w] = scatter_tokens(anchor_values[:, :-1], mask)
-            batch.ref_token_logprob[rows, :w] = scatter_tokens(anchor_values[:, -1], mask)
+            batch.ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
+            batch.ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
         if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
             for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
                 dist.all_reduce(values)
@@ -145,55 +155,55 @@ class Learner:
             self.policy_logits.reshard()
             self.anchor_logits.reshard()
 
-    def kl_per_token(self, logits: Tensor, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
-        """(N, T) per-token KL estimate; `logits` are the packed (1, M, V) model-token logits."""
+    def kl_per_token(self, stats: TokenLogprobs, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
+        """(N, T) per-token KL estimate from the policy's packed statistics (`micro_loss` asked for what the
+        estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
         mask = mb.loss_mask
-
-        def packed(x: Tensor) -> Tensor:
-            return x[mask][None]
-
         old = mb.old_logprobs if self.kl.importance_weight else None
         if self.kl.estimator == "topk":
-            kl = topk_kl(
-                logits, packed(mb.ref_topk_logprobs), packed(mb.ref_token_logprob), packed(mb.topk_ids),
-                packed(mb.response_ids), direction=self.kl.direction,
-                old_token_logprob=None if old is None else packed(old), iw_clip=self.kl.iw_clip,
+            kl = topk_kl_from_logprobs(
+                stats.logprobs[:, :-1], stats.logprobs[:, -1], mb.ref_topk_logprobs[mask], mb.ref_token_logprob[mask],
+                mb.topk_ids[mask], mb.response_ids[mask], direction=self.kl.direction,
+                old_token_logprob=None if old is None else old[mask], iw_clip=self.kl.iw_clip,
             )
-            return scatter_tokens(kl[0], mask)
+            return scatter_tokens(kl, mask)
         if self.kl.estimator == "exact":
-            with torch.no_grad():
-                anchor_logits = self.logits(mb, anchor=True)
-            return scatter_tokens(exact_kl(logits, anchor_logits, self.kl.direction)[0], mask)
+            return scatter_tokens(stats.kl, mask)
         return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
 
     def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
         mask = mb.loss_mask
-        logits = self.logits(mb)
-        token_logprob = scatter_tokens(gather_logprobs(logits[0], mb.response_ids[mask][:, None])[:, 0], mask)
+        ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for that estimator
+        if self.kl.estimator == "topk":
+            ids = torch.cat([mb.topk_ids[mask], ids], dim=-1)
+        reference = None
+        if self.kl.estimator == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
+            with torch.no_grad():
+                reference = (self.token_stats(mb, anchor=True), self.anchor_logits.model.get_output_embeddings())
+        # Entropy is always logged; it carries gradient only when it is in the loss.
+        stats = self.token_stats(mb, ids, entropy=True, entropy_grad=self.train.entropy_coef > 0,
+                                 reference=reference, direction=self.kl.direction)
+        token_logprob = scatter_tokens(stats.logprobs[:, -1], mask)
         advantages = broadcast_to_tokens(mb.advantages, mask)
         pg_loss, pg_stats = ppo_clip_loss(
             token_logprob, mb.old_logprobs, advantages, mask,
             clip_low=self.train.clip_low, clip_high=self.train.clip_high, aggregation=self.train.aggregation,
         )
         loss = pg_loss
-        stats = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        out = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
         if self.kl.estimator != "none":
-            kl = masked_mean(self.kl_per_token(logits, token_logprob, mb), mask, self.train.aggregation)
+            kl = masked_mean(self.kl_per_token(stats, token_logprob, mb), mask, self.train.aggregation)
             loss = loss + self.kl.beta * kl
-            stats["kl"] = float(kl.detach())
-        # Entropy is always logged; it carries gradient only when it is in the loss.
-        with torch.set_grad_enabled(self.train.entropy_coef > 0):
-            logp = torch.log_softmax(logits[0], dim=-1)
-            entropy = masked_mean(scatter_tokens(-(logp.exp() * logp).sum(-1), mask), mask, self.train.aggregation)
-            del logp
+            out["kl"] = float(kl.detach())
+        entropy = masked_mean(scatter_tokens(stats.entropy, mask), mask, self.train.aggregation)
         if self.train.entropy_coef > 0:
             loss = loss - self.train.entropy_coef * entropy
-        stats["entropy"] = float(entropy.detach())
-        stats["loss"] = float(loss.detach())
+        out["entropy"] = float(entropy.detach())
+        out["loss"] = float(loss.detach())
         # DDP and FSDP average gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
         (loss * weight * self.world_size).backward()
-        return {k: v * weight for k, v in stats.items()}
+        return {k: v * weight for k, v in out.items()}
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
