@@ -48,7 +48,9 @@ class TransformersBackend:
             self.eos_ids |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str],
+                 rows: list[int] | None = None) -> list[Generation]:
+        """All rows draw from one generator seeded per call (`rows` is for per-row-seeded engines)."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
