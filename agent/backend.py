@@ -8,8 +8,12 @@ at a time on its event loop (`agenerate`), which the continuous rollout needs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -40,4 +44,12 @@ class RolloutBackend(Protocol):
         """Continue every prompt until a stop string appears in its new text, EOS, or params.max_tokens. `rows`: the
         prompts' trajectory indices in their rollout (default 0..n-1), for engines that seed each row on its own
         (vLLM: then a row's samples do not depend on which rows share its call)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Sample from these weights (HF names) from now on."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (its processes and memory)."""
         ...
