@@ -1,14 +1,19 @@
 """The rollout backend interface: token ids in, sampled token ids and their log-probs out.
 
 A backend never sees text it must re-tokenize: the rollout hands it the exact ids of the conversation so far
-and appends exactly the ids it returns (token-in, token-out). The transformers backend implements it for CPU;
-the vLLM backend (scale-out) implements the same method.
+and appends exactly the ids it returns (token-in, token-out). The transformers backend (the reference, and the
+fallback where vLLM is not installed) and the vLLM backend implement `generate`; vLLM's also continues one prompt
+at a time on its event loop (`agenerate`), which the continuous rollout needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -34,6 +39,17 @@ class Generation:
 
 
 class RolloutBackend(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
-        """Continue every prompt until a stop string appears in its new text, EOS, or params.max_tokens."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str],
+                 rows: list[int] | None = None) -> list[Generation]:
+        """Continue every prompt until a stop string appears in its new text, EOS, or params.max_tokens. `rows`: the
+        prompts' trajectory indices in their rollout (default 0..n-1), for engines that seed each row on its own
+        (vLLM: then a row's samples do not depend on which rows share its call)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Sample from these weights (HF names) from now on."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (its processes and memory)."""
         ...

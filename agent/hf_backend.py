@@ -7,6 +7,8 @@ so a long straggler does not make finished rows keep computing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +50,9 @@ class TransformersBackend:
             self.eos_ids |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str],
+                 rows: list[int] | None = None) -> list[Generation]:
+        """All rows draw from one generator seeded per call (`rows` is for per-row-seeded engines)."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -56,6 +60,18 @@ class TransformersBackend:
         for start in range(0, len(prompts), self.max_batch_size):
             out += self._generate_batch(prompts[start : start + self.max_batch_size], params, stop, generator)
         return out
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy weights into the model it samples from. Tensors that are that model's own are skipped: in process the
+        model is the trainer's policy itself, and there is nothing to copy."""
+        own = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if tensor.data_ptr() != own[name].data_ptr():
+                    own[name].copy_(tensor)
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's."""
 
     def _stop_hit(self, ids: list[int], stop: list[str], window: int) -> str | None:
         # A stop string can only have been completed by the newest token, so decoding a short tail suffices.

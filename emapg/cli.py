@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from emapg.workflow import ARTIFACTS
+from trainer.config import installed_rollout_backend
 
 app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
 console = Console()
@@ -272,7 +273,10 @@ def eval_command(
     max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 500,
     max_obs_tokens: Annotated[int, typer.Option(min=1)] = 500,
     topk: Annotated[int, typer.Option(min=1)] = 3,
-    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    batch_size: Annotated[int, typer.Option(min=1, help="rows generating at once: a transformers batch, or "
+                                            "questions in flight on vLLM")] = 16,
+    backend: Annotated[str, typer.Option(help="rollout engine: vllm (continuous rollouts; the default where it is "
+                                         "installed) or transformers (the per-turn loop)")] = installed_rollout_backend(),
     out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
     checkpoint: Annotated[Path | None, typer.Option(help="a training checkpoint (or run folder) whose policy weights "
                                                    "replace --model's")] = None,
@@ -280,7 +284,6 @@ def eval_command(
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
     from contextlib import nullcontext
 
-    from agent.hf_backend import TransformersBackend
     from agent.policy import load_policy, load_tokenizer
     from agent.rollout import RolloutConfig
     from emapg.workflow import answerable, load_datasets, served_index_tag
@@ -288,6 +291,8 @@ def eval_command(
     from retriever.client import RetrieverClient, retrieve_endpoints
     from retriever.process import running_server
     from trainer.checkpoint import CheckpointError, load_policy_weights
+    from trainer.config import load_config
+    from trainer.loop import rollout_backend
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
@@ -295,6 +300,8 @@ def eval_command(
             _fail(f"--modes: unknown mode {m!r} (direct, rag, agent)")
     if subset not in ("answerable", "full"):
         _fail(f"--subset must be 'answerable' or 'full', got {subset!r}")
+    if backend not in ("vllm", "transformers"):
+        _fail(f"--backend must be 'vllm' or 'transformers', got {backend!r}")
     if retriever_url:
         try:
             retrieve_endpoints(retriever_url)
@@ -313,19 +320,27 @@ def eval_command(
                     for name, examples in data.items()}
         data = {name: examples[:limit] for name, examples in data.items()}
         tokenizer = load_tokenizer(model)
-        policy = load_policy(model)
+        policy = None  # vLLM loads --model itself; the policy is loaded only to sample from or to carry a checkpoint
+        if backend == "transformers" or checkpoint is not None:
+            policy = load_policy(model)
         if checkpoint is not None:
             try:
                 policy.load_state_dict(load_policy_weights(checkpoint))
             except (CheckpointError, RuntimeError) as e:
                 _fail(f"--checkpoint: {e}")
-        backend = TransformersBackend(policy, tokenizer, max_batch_size=batch_size)
-        config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
-                               max_obs_tokens=max_obs_tokens, topk=topk)
-        label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
-            f"full {split} set, first {limit}")
-        report = evaluate(backend, tokenizer, client, data, mode_list, config, model_name=model, subset=label,
-                          out_dir=out, batch_size=batch_size)
+        cfg = load_config(overrides=[f"model={model}", f"rollout.backend={backend}", f"rollout.batch_size={batch_size}"])
+        engine = rollout_backend(cfg, policy, tokenizer)
+        try:
+            if policy is not None:
+                engine.load_weights(policy.named_parameters())
+            config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                                   max_obs_tokens=max_obs_tokens, topk=topk)
+            label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
+                f"full {split} set, first {limit}")
+            report = evaluate(engine, tokenizer, client, data, mode_list, config, model_name=model, subset=label,
+                              out_dir=out, batch_size=batch_size, retriever_timeout_s=60)
+        finally:
+            engine.close()
     print(report.markdown())  # the Markdown source: readable as is, and wide tables do not get squeezed
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 
@@ -433,10 +448,13 @@ def train(
         else:
             trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
         try:
-            resume_or_start(trainer, resume, init)
-        except (CheckpointError, FileNotFoundError, ValueError) as e:
-            _fail(str(e))
-        trainer.run(progress=print_iteration)
+            try:
+                resume_or_start(trainer, resume, init)
+            except (CheckpointError, FileNotFoundError, ValueError) as e:
+                _fail(str(e))
+            trainer.run(progress=print_iteration)
+        finally:
+            trainer.close()
     console.print(f"done: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/)")
 
 

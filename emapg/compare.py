@@ -71,14 +71,45 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
     plt.close(fig)
 
 
-def held_out_eval(cfg, policy, tokenizer, client, test, name: str, out_dir: Path) -> dict:
+def held_out_eval(cfg, policy, tokenizer, client, test, name: str, out_dir: Path, backend) -> dict:
     """Pooled held-out EM of `policy`, or of the evaluation an earlier (interrupted) run saved in `out_dir`."""
     from eval.harness import EvalReport
 
     if (out_dir / "report.json").exists():
         console.print(f"{name}: reusing {out_dir / 'report.json'}")
         return pooled(EvalReport.load(out_dir / "report.json"))
-    return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out"))
+    return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out", backend))
+
+
+def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
+                eval_every: int) -> list[tuple[int, dict]]:
+    """One method from the SFT weights (or its latest checkpoint), evaluated every `eval_every` iterations."""
+    from trainer.checkpoint import latest_checkpoint
+    from trainer.loop import Trainer, seed_everything
+
+    vcfg = variant_config(cfg, name)
+    seed_everything(vcfg.seed)
+    policy.load_state_dict(sft_weights)
+    trainer = Trainer(vcfg, policy, tokenizer, train, retriever=client, backend=backend)  # anchor starts at SFT
+    if (checkpoint := latest_checkpoint(vcfg.run_dir)) is not None:
+        trainer.restore(checkpoint)
+        console.print(f"{name}: resuming from {checkpoint}")
+    points = [(0, start)]
+    # Evaluations before the resumed iteration were saved by the run that got there (their policies are gone).
+    for iteration in range(eval_every, trainer.iteration + 1, eval_every):
+        folder = vcfg.run_dir / f"eval-{iteration:04d}"
+        if iteration < trainer.iteration and not (folder / "report.json").exists():
+            raise FileNotFoundError(f"{folder / 'report.json'} is missing and iteration {iteration}'s policy is "
+                                    f"gone (resuming at {trainer.iteration}): delete {vcfg.run_dir} to redo {name}")
+        points.append((iteration, held_out_eval(vcfg, policy, tokenizer, client, test, f"{name} @ {iteration}",
+                                                folder, backend)))
+    while trainer.iteration < vcfg.train.iterations:
+        trainer.run(progress=print_iteration, until=trainer.iteration + eval_every)
+        points.append((trainer.iteration, held_out_eval(vcfg, policy, tokenizer, client, test,
+                                                        f"{name} @ {trainer.iteration}",
+                                                        vcfg.run_dir / f"eval-{trainer.iteration:04d}", backend)))
+        console.print(f"{name} iteration {trainer.iteration}: held-out EM {points[-1][1]['em']:.3f}")
+    return points
 
 
 def last_per_iteration(metrics: list[dict]) -> list[dict]:
@@ -100,7 +131,7 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
-    from trainer.loop import Trainer, seed_everything
+    from trainer.loop import rollout_backend
 
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -119,34 +150,15 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
         sft_weights = load_policy_weights(init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)
-        start = held_out_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft")
-        for name in VARIANTS:
-            console.rule(name)
-            vcfg = variant_config(cfg, name)
-            seed_everything(vcfg.seed)
-            policy.load_state_dict(sft_weights)
-            trainer = Trainer(vcfg, policy, tokenizer, train, retriever=client)  # anchor starts at SFT
-            if (checkpoint := latest_checkpoint(vcfg.run_dir)) is not None:
-                trainer.restore(checkpoint)
-                console.print(f"{name}: resuming from {checkpoint}")
-            held_out[name] = [(0, start)]
-            # Evaluations before the resumed iteration were saved by the run that got there (their policies are gone).
-            for iteration in range(eval_every, trainer.iteration + 1, eval_every):
-                folder = vcfg.run_dir / f"eval-{iteration:04d}"
-                if iteration < trainer.iteration and not (folder / "report.json").exists():
-                    raise FileNotFoundError(f"{folder / 'report.json'} is missing and iteration {iteration}'s policy is "
-                                            f"gone (resuming at {trainer.iteration}): delete {vcfg.run_dir} to redo {name}")
-                held_out[name].append((iteration, held_out_eval(vcfg, policy, tokenizer, client, test,
-                                                                f"{name} @ {iteration}", folder)))
-            while trainer.iteration < vcfg.train.iterations:
-                trainer.run(progress=print_iteration, until=trainer.iteration + eval_every)
-                held_out[name].append((trainer.iteration, held_out_eval(
-                    vcfg, policy, tokenizer, client, test, f"{name} @ {trainer.iteration}",
-                    vcfg.run_dir / f"eval-{trainer.iteration:04d}")))
-                console.print(f"{name} iteration {trainer.iteration}: held-out EM {held_out[name][-1][1]['em']:.3f}")
-            # A vLLM engine keeps its (GPU) memory until closed, and the next variant starts an engine of its own.
-            if hasattr(trainer.backend, "close"):
-                trainer.backend.close()
+        backend = rollout_backend(cfg, policy, tokenizer)  # one engine for both variants' rollouts and evaluations
+        try:
+            start = held_out_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft", backend)
+            for name in VARIANTS:
+                console.rule(name)
+                held_out[name] = run_variant(cfg, name, policy, sft_weights, tokenizer, client, train, test, backend,
+                                             start, eval_every)
+        finally:
+            backend.close()
     curves = {name: last_per_iteration(read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl"))
               for name in VARIANTS}
     lines = [(f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "

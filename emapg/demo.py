@@ -112,7 +112,7 @@ def plot_stages(stages: dict[str, EvalReport], path: Path) -> None:
 
 def run_demo(cfg) -> Path:
     from agent.policy import load_policy, load_tokenizer
-    from trainer.loop import Trainer
+    from trainer.loop import Trainer, rollout_backend
 
     out = cfg.run_dir
     if out.exists():
@@ -138,24 +138,27 @@ def run_demo(cfg) -> Path:
                   f"{', '.join(cfg.data.eval)}" if cfg.data.subset == "answerable" else ", ".join(cfg.data.eval))
         tokenizer = load_tokenizer(cfg.model)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
+        backend = rollout_backend(cfg, policy, tokenizer)  # one engine for every stage's rollouts
         t = stage("setup", begin)
+        try:
+            console.rule("evaluate the base model")
+            stages["base"] = run_eval(cfg, policy, tokenizer, client, held_out, "base", out / "eval-base", subset, backend)
+            t = stage("eval base", t)
 
-        console.rule("evaluate the base model")
-        stages["base"] = run_eval(cfg, policy, tokenizer, client, held_out, "base", out / "eval-base", subset)
-        t = stage("eval base", t)
+            console.rule("SFT warm start")
+            run_sft(cfg, policy, tokenizer, build_sft_data(cfg, client, tokenizer, train))
+            t = stage("SFT", t)
+            stages["SFT"] = run_eval(cfg, policy, tokenizer, client, held_out, "SFT", out / "eval-sft", subset, backend)
+            t = stage("eval SFT", t)
 
-        console.rule("SFT warm start")
-        run_sft(cfg, policy, tokenizer, build_sft_data(cfg, client, tokenizer, train))
-        t = stage("SFT", t)
-        stages["SFT"] = run_eval(cfg, policy, tokenizer, client, held_out, "SFT", out / "eval-sft", subset)
-        t = stage("eval SFT", t)
-
-        console.rule(f"EMA-PG from the SFT model ({cfg.train.iterations} iterations)")
-        Trainer(cfg, policy, tokenizer, train, retriever=client).run(progress=print_iteration)
-        t = stage("EMA-PG", t)
-        stages["SFT + EMA-PG"] = run_eval(cfg, policy, tokenizer, client, held_out, "SFT + EMA-PG",
-                                          out / "eval-emapg", subset)
-        stage("eval SFT + EMA-PG", t)
+            console.rule(f"EMA-PG from the SFT model ({cfg.train.iterations} iterations)")
+            Trainer(cfg, policy, tokenizer, train, retriever=client, backend=backend).run(progress=print_iteration)
+            t = stage("EMA-PG", t)
+            stages["SFT + EMA-PG"] = run_eval(cfg, policy, tokenizer, client, held_out, "SFT + EMA-PG",
+                                              out / "eval-emapg", subset, backend)
+            stage("eval SFT + EMA-PG", t)
+        finally:
+            backend.close()
     timings["total"] = time.perf_counter() - begin
 
     markdown = report_markdown(stages, timings, subset)

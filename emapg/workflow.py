@@ -165,15 +165,14 @@ def print_iteration(iteration: int, m: dict) -> None:
 
 
 def run_eval(cfg, policy, tokenizer, client, datasets: dict[str, list[QAExample]], name: str, out_dir: Path,
-             subset: str):
-    """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings."""
-    from agent.hf_backend import TransformersBackend
+             subset: str, backend):
+    """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings, on the process's rollout
+    engine (`backend`; the policy's weights are copied into it first: vLLM samples from its own copy)."""
     from eval.harness import evaluate
     from trainer.loop import rollout_config
 
+    backend.load_weights(policy.named_parameters())
     r = cfg.rollout
-    backend = TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
     # evaluate() sets the mode ("agent") itself; the rest is the run's rollout shape.
     return evaluate(backend, tokenizer, client, datasets, ["agent"], rollout_config(cfg), model_name=name,
-                    subset=subset, out_dir=out_dir, batch_size=r.batch_size)
-
+                    subset=subset, out_dir=out_dir, batch_size=r.batch_size, retriever_timeout_s=cfg.retriever.timeout_s)

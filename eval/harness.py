@@ -15,10 +15,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from agent.backend import RolloutBackend, SamplingParams
-from agent.rollout import Mode, RolloutConfig, SearchAgent, Searcher
+from agent.continuous import ContinuousSearchAgent, search_agent
+from agent.rollout import Mode, RolloutConfig
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
 from eval.metrics import cover_exact_match, exact_match, f1
+from retriever.client import RetrieverClient
 
 
 @dataclass
@@ -163,27 +165,30 @@ def model_text(tokenizer, traj: Trajectory) -> str:
 def run_mode(
     backend: RolloutBackend,
     tokenizer,
-    retriever: Searcher | None,
+    retriever: RetrieverClient | None,
     examples: list[QAExample],
     config: RolloutConfig,
     batch_size: int,
     progress: tqdm | None = None,
+    retriever_timeout_s: float = 30.0,
 ) -> list[Trajectory]:
-    agent = SearchAgent(backend, tokenizer, retriever, config)
+    """Greedy rollouts of `examples`: continuous over all of them on vLLM (at most batch_size in flight), per turn in
+    chunks of batch_size on transformers."""
+    agent = search_agent(backend, tokenizer, retriever, config, retriever_timeout_s=retriever_timeout_s,
+                         max_concurrency=batch_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=config.max_tokens_per_turn)
+    chunk = len(examples) if isinstance(agent, ContinuousSearchAgent) else batch_size
     trajectories: list[Trajectory] = []
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start : start + batch_size]
-        trajectories += agent.rollout(batch, greedy)
-        if progress is not None:
-            progress.update(len(batch))
+    for start in range(0, len(examples), chunk):
+        trajectories += agent.rollout(examples[start : start + chunk], greedy,
+                                      on_done=None if progress is None else lambda _: progress.update(1))
     return trajectories
 
 
 def evaluate(
     backend: RolloutBackend,
     tokenizer,
-    retriever: Searcher | None,
+    retriever: RetrieverClient | None,
     datasets: dict[str, list[QAExample]],
     modes: list[Mode],
     base_config: RolloutConfig,
@@ -192,6 +197,7 @@ def evaluate(
     subset: str,
     out_dir: Path,
     batch_size: int = 16,
+    retriever_timeout_s: float = 30.0,
 ) -> EvalReport:
     report = EvalReport(model=model_name, subset=subset)
     start = time.perf_counter()
@@ -202,7 +208,8 @@ def evaluate(
             for name, examples in datasets.items():
                 progress.set_postfix_str(f"{name} / {mode}")
                 t0 = time.perf_counter()
-                trajectories = run_mode(backend, tokenizer, retriever, examples, config, batch_size, progress)
+                trajectories = run_mode(backend, tokenizer, retriever, examples, config, batch_size, progress,
+                                        retriever_timeout_s)
                 texts = [model_text(tokenizer, t) for t in trajectories]
                 report.results.append(score(trajectories, name, mode, time.perf_counter() - t0, texts))
                 save_jsonl(trajectories, out_dir / "trajectories" / f"{name}.{mode}.jsonl")

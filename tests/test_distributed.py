@@ -22,7 +22,7 @@ from trainer.loop import PolicyTrainer
 
 def ray_config(tmp_path, model_dir, *overrides):
     return load_config(overrides=[
-        f"out_dir={tmp_path}", f"model={model_dir}", "rollout.mode=direct", "rollout.max_tokens_per_turn=4",
+        f"out_dir={tmp_path}", f"model={model_dir}", "rollout.backend=transformers", "rollout.mode=direct", "rollout.max_tokens_per_turn=4",
         "train.iterations=2", "train.prompts_per_iteration=4", "train.rollouts_per_prompt=2",
         "train.mini_batch_size=8", "train.micro_batch_size=2", "train.lr=1e-5", "train.warmup_steps=0",
         "train.grad_clip=1e9", "kl.topk=4", "kl.beta=0.5", "ema.period=1", "checkpoint.every=100",
@@ -112,4 +112,4 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         assert (cfg.run_dir / "metrics.jsonl").read_text().count("\n") == 2
         assert (cfg.run_dir / "checkpoints").is_dir()  # saved at the last iteration from rank 0's state
     finally:
-        trainer.shutdown()
+        trainer.close()

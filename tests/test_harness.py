@@ -83,7 +83,7 @@ def test_emapg_eval_end_to_end_with_a_tiny_model(tmp_path, server_url, tiny_mode
     result = CliRunner().invoke(app, [
         "eval", "--model", str(tiny_model_dir), "--datasets", "bamboogle,hotpotqa", "--flashrag-root", str(root),
         "--split", "test", "--subset", "full", "--modes", "direct,agent", "--retriever-url", server_url,
-        "--max-turns", "1", "--max-tokens-per-turn", "8", "--out", str(out),
+        "--max-turns", "1", "--max-tokens-per-turn", "8", "--backend", "transformers", "--out", str(out),
     ])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
@@ -101,5 +101,7 @@ def test_eval_cli_names_bad_options():
 
     result = CliRunner().invoke(app, ["eval", "--modes", "direct,oracle"])
     assert result.exit_code == 2 and "--modes: unknown mode 'oracle'" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["eval", "--backend", "tpu"])
+    assert result.exit_code == 2 and "--backend must be 'vllm' or 'transformers'" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["eval", "--datasets", "squad", "--flashrag-root", "/nonexistent"])
     assert result.exit_code == 2 and "unknown FlashRAG dataset 'squad'" in " ".join(result.output.split())

