@@ -235,13 +235,13 @@ class KillsReplicaBeforeTurn:
         self.calls = 0
         self.answered_before_kill: int | None = None
 
-    def generate(self, prompts, params, stop):
+    def generate(self, prompts, params, stop, rows=None):
         self.calls += 1
         if self.calls == self.turn:
             self.answered_before_kill = requests_answered(self.replica.url)
             self.replica.proc.kill()
             self.replica.proc.wait()
-        return self.backend.generate(prompts, params, stop)
+        return self.backend.generate(prompts, params, stop, rows=rows)
 
 
 def test_rollout_survives_a_replica_killed_mid_rollout(two_search_model, tokenizer, bm25_index_dir, tmp_path):
