@@ -25,8 +25,7 @@ from agent.backend import Generation, SamplingParams
 from agent.rollout import RolloutAgent, RolloutConfig, RolloutSteps, SearchAgent
 from agent.trajectory import Trajectory
 from data.qa import QAExample
-from retriever.client import AsyncRetrieverClient, RetrieverClient, RetrieverError
-from retriever.docstore import Hit
+from retriever.client import AsyncRetrieverClient, Hit, RetrieverClient, RetrieverError
 
 T = TypeVar("T")
 

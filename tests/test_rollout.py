@@ -14,8 +14,7 @@ from agent.continuous import ContinuousSearchAgent
 from agent.protocol import INVALID_ACTION, extract_answer, parse_action
 from agent.rollout import SEARCH_FAILED, RolloutConfig, SearchAgent
 from data.qa import QAExample
-from retriever.client import RetrieverUnavailable
-from retriever.docstore import Hit
+from retriever.client import Hit, RetrieverUnavailable
 
 
 class FakeScriptedBackend:
