@@ -43,6 +43,8 @@ class Searcher(Protocol):
 
 
 class RolloutAgent(Protocol):
+    retrieval_wait_s: float  # the last rollout's seconds with the engine waiting on retrieval
+
     def rollout(self, examples: list[QAExample], params: SamplingParams, samples_per_example: int = 1,
                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """`samples_per_example` trajectories per example, example-major; `on_done` sees each as it finishes."""

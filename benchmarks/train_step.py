@@ -33,7 +33,7 @@ import torch
 from agent.trajectory import Trajectory
 from trainer.batch import RolloutBatch, collate
 from trainer.config import load_config
-from trainer.loop import PolicyTrainer
+from trainer.engine import PolicyTrainer
 
 
 def synthetic_batch(args, generator: torch.Generator) -> RolloutBatch:

@@ -291,8 +291,8 @@ def eval_command(
     from retriever.client import RetrieverClient, retrieve_endpoints
     from retriever.process import running_server
     from trainer.checkpoint import CheckpointError, load_policy_weights
-    from trainer.config import load_config
-    from trainer.loop import rollout_backend
+    from trainer.config import RolloutSection, TrainConfig
+    from trainer.engine import rollout_backend
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
@@ -328,8 +328,8 @@ def eval_command(
                 policy.load_state_dict(load_policy_weights(checkpoint))
             except (CheckpointError, RuntimeError) as e:
                 _fail(f"--checkpoint: {e}")
-        cfg = load_config(overrides=[f"model={model}", f"rollout.backend={backend}", f"rollout.batch_size={batch_size}"])
-        engine = rollout_backend(cfg, policy, tokenizer)
+        cfg = TrainConfig(model=model, rollout=RolloutSection(backend=backend, batch_size=batch_size))
+        engine = rollout_backend(cfg, tokenizer, policy)
         try:
             if policy is not None:
                 engine.load_weights(policy.named_parameters())
@@ -346,14 +346,15 @@ def eval_command(
 
 
 def _run_config(ctx: typer.Context, config: Path | None):
+    from transformers import set_seed
+
     from trainer.config import ConfigError, load_config
-    from trainer.loop import seed_everything
 
     try:
         cfg = load_config(config, list(ctx.args))
     except ConfigError as e:
         _fail(str(e))
-    seed_everything(cfg.seed)
+    set_seed(cfg.seed)
     return cfg
 
 
@@ -428,6 +429,7 @@ def train(
     from agent.policy import load_policy, load_tokenizer
     from emapg.workflow import connect_retriever, print_iteration
     from trainer.checkpoint import CheckpointError
+    from trainer.engine import LocalEngine, rollout_backend
     from trainer.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
@@ -437,16 +439,20 @@ def train(
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         tokenizer = load_tokenizer(cfg.model)
         if cfg.distributed.backend == "ray":
-            from trainer.distributed import RayTrainer
+            from trainer.distributed import RayEngine
 
             # The actors reach the same retriever(s) as this driver: the URLs in use, including a started server's.
             cfg.retriever.url = client.urls if client is not None else None
             try:
-                trainer = RayTrainer(cfg, tokenizer, examples)
+                engine = RayEngine(cfg)
             except NotImplementedError as e:
                 _fail(str(e))
+            close = engine.close
         else:
-            trainer = Trainer(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, examples, retriever=client)
+            policy = load_policy(cfg.model, dtype=cfg.dtype)
+            backend = rollout_backend(cfg, tokenizer, policy)
+            engine, close = LocalEngine(cfg, policy, tokenizer, backend, client), backend.close
+        trainer = Trainer(cfg, engine, tokenizer, examples)
         try:
             try:
                 resume_or_start(trainer, resume, init)
@@ -454,7 +460,7 @@ def train(
                 _fail(str(e))
             trainer.run(progress=print_iteration)
         finally:
-            trainer.close()
+            close()
     console.print(f"done: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/)")
 
 

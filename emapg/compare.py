@@ -84,13 +84,17 @@ def held_out_eval(cfg, policy, tokenizer, client, test, name: str, out_dir: Path
 def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
                 eval_every: int) -> list[tuple[int, dict]]:
     """One method from the SFT weights (or its latest checkpoint), evaluated every `eval_every` iterations."""
+    from transformers import set_seed
+
     from trainer.checkpoint import latest_checkpoint
-    from trainer.loop import Trainer, seed_everything
+    from trainer.engine import LocalEngine
+    from trainer.loop import Trainer
 
     vcfg = variant_config(cfg, name)
-    seed_everything(vcfg.seed)
+    set_seed(vcfg.seed)
     policy.load_state_dict(sft_weights)
-    trainer = Trainer(vcfg, policy, tokenizer, train, retriever=client, backend=backend)  # anchor starts at SFT
+    engine = LocalEngine(vcfg, policy, tokenizer, backend, client)  # anchor starts at SFT
+    trainer = Trainer(vcfg, engine, tokenizer, train)
     if (checkpoint := latest_checkpoint(vcfg.run_dir)) is not None:
         trainer.restore(checkpoint)
         console.print(f"{name}: resuming from {checkpoint}")
@@ -131,7 +135,7 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
 def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
-    from trainer.loop import rollout_backend
+    from trainer.engine import rollout_backend
 
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +154,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
         sft_weights = load_policy_weights(init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)
-        backend = rollout_backend(cfg, policy, tokenizer)  # one engine for both variants' rollouts and evaluations
+        backend = rollout_backend(cfg, tokenizer, policy)  # one engine for both variants' rollouts and evaluations
         try:
             start = held_out_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft", backend)
             for name in VARIANTS:

@@ -112,7 +112,8 @@ def plot_stages(stages: dict[str, EvalReport], path: Path) -> None:
 
 def run_demo(cfg) -> Path:
     from agent.policy import load_policy, load_tokenizer
-    from trainer.loop import Trainer, rollout_backend
+    from trainer.engine import LocalEngine, rollout_backend
+    from trainer.loop import Trainer
 
     out = cfg.run_dir
     if out.exists():
@@ -138,7 +139,7 @@ def run_demo(cfg) -> Path:
                   f"{', '.join(cfg.data.eval)}" if cfg.data.subset == "answerable" else ", ".join(cfg.data.eval))
         tokenizer = load_tokenizer(cfg.model)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
-        backend = rollout_backend(cfg, policy, tokenizer)  # one engine for every stage's rollouts
+        backend = rollout_backend(cfg, tokenizer, policy)  # one engine for every stage's rollouts
         t = stage("setup", begin)
         try:
             console.rule("evaluate the base model")
@@ -152,7 +153,8 @@ def run_demo(cfg) -> Path:
             t = stage("eval SFT", t)
 
             console.rule(f"EMA-PG from the SFT model ({cfg.train.iterations} iterations)")
-            Trainer(cfg, policy, tokenizer, train, retriever=client, backend=backend).run(progress=print_iteration)
+            engine = LocalEngine(cfg, policy, tokenizer, backend, client)
+            Trainer(cfg, engine, tokenizer, train).run(progress=print_iteration)
             t = stage("EMA-PG", t)
             stages["SFT + EMA-PG"] = run_eval(cfg, policy, tokenizer, client, held_out, "SFT + EMA-PG",
                                               out / "eval-emapg", subset, backend)

@@ -169,10 +169,11 @@ def run_eval(cfg, policy, tokenizer, client, datasets: dict[str, list[QAExample]
     """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings, on the process's rollout
     engine (`backend`; the policy's weights are copied into it first: vLLM samples from its own copy)."""
     from eval.harness import evaluate
-    from trainer.loop import rollout_config
+    from trainer.engine import rollout_config
 
     backend.load_weights(policy.named_parameters())
     r = cfg.rollout
     # evaluate() sets the mode ("agent") itself; the rest is the run's rollout shape.
     return evaluate(backend, tokenizer, client, datasets, ["agent"], rollout_config(cfg), model_name=name,
-                    subset=subset, out_dir=out_dir, batch_size=r.batch_size, retriever_timeout_s=cfg.retriever.timeout_s)
+                    subset=subset, out_dir=out_dir, batch_size=r.batch_size,
+                    retriever_timeout_s=cfg.retriever.timeout_s)

@@ -177,7 +177,7 @@ def run_mode(
     agent = search_agent(backend, tokenizer, retriever, config, retriever_timeout_s=retriever_timeout_s,
                          max_concurrency=batch_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=config.max_tokens_per_turn)
-    chunk = len(examples) if isinstance(agent, ContinuousSearchAgent) else batch_size
+    chunk = max(1, len(examples)) if isinstance(agent, ContinuousSearchAgent) else batch_size
     trajectories: list[Trajectory] = []
     for start in range(0, len(examples), chunk):
         trajectories += agent.rollout(examples[start : start + chunk], greedy,

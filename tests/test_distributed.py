@@ -17,12 +17,14 @@ from agent.policy import load_policy
 from data.qa import QAExample
 from trainer.batch import collate
 from trainer.config import load_config
-from trainer.loop import PolicyTrainer
+from trainer.engine import PolicyTrainer
+from trainer.loop import Trainer
 
 
 def ray_config(tmp_path, model_dir, *overrides):
     return load_config(overrides=[
-        f"out_dir={tmp_path}", f"model={model_dir}", "rollout.backend=transformers", "rollout.mode=direct", "rollout.max_tokens_per_turn=4",
+        f"out_dir={tmp_path}", f"model={model_dir}", "rollout.backend=transformers", "rollout.mode=direct",
+        "rollout.max_tokens_per_turn=4",
         "train.iterations=2", "train.prompts_per_iteration=4", "train.rollouts_per_prompt=2",
         "train.mini_batch_size=8", "train.micro_batch_size=2", "train.lr=1e-5", "train.warmup_steps=0",
         "train.grad_clip=1e9", "kl.topk=4", "kl.beta=0.5", "ema.period=1", "checkpoint.every=100",
@@ -45,7 +47,7 @@ def local_ray():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, strategy):
-    from trainer.distributed import RayTrainer
+    from trainer.distributed import RayEngine
 
     # FSDP with activation checkpointing (the GPU recipes' setting): the one-process reference checkpoints too.
     checkpointing = f"train.gradient_checkpointing={strategy == 'fsdp'}"
@@ -58,12 +60,11 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
     single_stats = single.train_step(collate(trajectories, advantages, pad_id=0), iteration=1)
 
     examples = [QAExample(f"toy/train/{i}", "toy", "train", f"question {i}?", ("x",), "toy") for i in range(4)]
-    trainer = RayTrainer(cfg, tokenizer, examples, reward_fn=parity_reward)
+    engine = RayEngine(cfg)
     try:
-        trainer.iteration = 1
-        stats = trainer.learn(batch)
-        gradients = ray.get([rank.gradients.remote() for rank in trainer.ranks])
-        states = ray.get([rank.state.remote() for rank in trainer.ranks])
+        stats = engine.learn(batch, iteration=1)
+        gradients = ray.get([rank.gradients.remote() for rank in engine.ranks])
+        states = ray.get([rank.state.remote() for rank in engine.ranks])
         for name, param in single.policy.named_parameters():
             for rank_gradients in gradients:  # the ranks' summed gradient = the one-process mini-batch gradient
                 torch.testing.assert_close(rank_gradients[name], param.grad, rtol=1e-4, atol=1e-6)
@@ -90,26 +91,26 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         torch.testing.assert_close(single.state()["optimizer"]["state"], states[0]["optimizer"]["state"], rtol=0,
                                    atol=0)
 
-        trainer.load_learner_state(states[0])  # what a resume does: the full state back into every rank
-        again = trainer.learner_state()
+        engine.load_state(states[0])  # what a resume does: the full state back into every rank
+        again = engine.state()
         for part in ("policy", "anchor"):
             for name, value in states[0][part].items():
                 torch.testing.assert_close(again[part][name], value, rtol=0, atol=0)
 
-        trainer.sync_weights()  # rank 0's weights into both workers' engines
+        engine.sync_weights()  # rank 0's weights into both workers' engines
         prompt = tokenizer.encode("who wrote pride and prejudice?")
-        probes = ray.get([worker.greedy.remote(prompt, 8) for worker in trainer.workers])
+        probes = ray.get([worker.greedy.remote(prompt, 8) for worker in engine.workers])
         assert probes[0].token_ids == probes[1].token_ids and probes[0].logprobs == probes[1].logprobs
         with torch.no_grad():
             logits = single.policy(torch.tensor([prompt + probes[0].token_ids])).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(probes[0].token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(probes[0].logprobs), expected, rtol=0, atol=1e-4)
 
-        trainer.iteration = 0  # the loop itself: rollouts on the workers, learning on the ranks, sync, logs
-        history = trainer.run()
+        # The loop itself: rollouts on the workers, learning on the ranks, sync, logs.
+        history = Trainer(cfg, engine, tokenizer, examples, reward_fn=parity_reward).run()
         assert [len(h) > 0 for h in history] == [True, True]
         assert all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
         assert (cfg.run_dir / "metrics.jsonl").read_text().count("\n") == 2
         assert (cfg.run_dir / "checkpoints").is_dir()  # saved at the last iteration from rank 0's state
     finally:
-        trainer.close()
+        engine.close()

@@ -67,7 +67,8 @@ def test_report_files(tmp_path):
 
 
 def test_emapg_eval_end_to_end_with_a_tiny_model(tmp_path, server_url, tiny_model_dir, monkeypatch):
-    """The CLI against the real server: FlashRAG files on disk, full subset, two modes, a report."""
+    """The CLI against the real server: FlashRAG files on disk, full subset, two modes, a report (the transformers
+    engine: vLLM's CPU attention refuses the tiny model's head size; test_vllm_backend.py runs the CLI on vLLM)."""
     from typer.testing import CliRunner
 
     from emapg.cli import app

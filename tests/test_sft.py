@@ -120,7 +120,7 @@ def sft_config(tmp_path, *overrides):
 
 def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_model, tokenizer, tmp_path):
     from trainer.batch import collate, response_logits
-    from trainer.loop import Trainer
+    from trainer.engine import LocalEngine, rollout_backend
 
     fixed = demos[0][:4]
     cfg = sft_config(tmp_path, "sft.epochs=60")
@@ -138,14 +138,15 @@ def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_mo
     assert after < 0.5 * before, (before, after)
 
     # --init: a fresh policy takes the SFT weights, and so does the anchor.
-    rl = Trainer(load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.backend=transformers",
-                                    "rollout.mode=direct"]), copy.deepcopy(tiny_model), tokenizer,
-                 [example(0, "q", "a")])
+    rl_cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.backend=transformers",
+                                    "rollout.mode=direct"])
+    rl_policy = copy.deepcopy(tiny_model)
+    rl = LocalEngine(rl_cfg, rl_policy, tokenizer, rollout_backend(rl_cfg, tokenizer, rl_policy))
     rl.init_from(cfg.sft_dir)  # a run folder: its latest checkpoint
     assert checkpoint.parent == cfg.sft_dir / "checkpoints"
     for name, value in policy.state_dict().items():
-        torch.testing.assert_close(rl.policy.state_dict()[name], value, rtol=0, atol=0)
-    for name, value in rl.anchor.module.state_dict().items():
+        torch.testing.assert_close(rl.learning.policy.state_dict()[name], value, rtol=0, atol=0)
+    for name, value in rl.learning.anchor.module.state_dict().items():
         torch.testing.assert_close(value, policy.state_dict()[name].float(), rtol=0, atol=0)
 
 

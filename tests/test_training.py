@@ -12,6 +12,7 @@ import torch
 
 from data.qa import QAExample
 from trainer.config import load_config
+from trainer.engine import LocalEngine, rollout_backend
 from trainer.loop import Trainer
 
 # A random Llama initialised with std 0.3 (not 0.02) has a peaked first-token distribution: for seed 0 its three
@@ -66,7 +67,9 @@ def tiny_config(tmp_path, *overrides):
 def make_trainer(cfg, tiny_model, tokenizer):
     import copy
 
-    return Trainer(cfg, copy.deepcopy(tiny_model), tokenizer, tiny_examples(), reward_fn=first_token_reward)
+    policy = copy.deepcopy(tiny_model)
+    engine = LocalEngine(cfg, policy, tokenizer, rollout_backend(cfg, tokenizer, policy))
+    return Trainer(cfg, engine, tokenizer, tiny_examples(), reward_fn=first_token_reward)
 
 
 @pytest.mark.parametrize("variant", [
@@ -91,13 +94,11 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
         import os, signal, sys, torch
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from test_training import first_token_reward, tiny_config, tiny_examples
-        from trainer.loop import Trainer
+        from test_training import make_trainer, tiny_config
         from pathlib import Path
         model = AutoModelForCausalLM.from_pretrained({str(peaked_model_dir)!r}).eval()
         tok = AutoTokenizer.from_pretrained({str(peaked_model_dir)!r})
-        trainer = Trainer(tiny_config(Path({str(tmp_path / 'b')!r}), "train.iterations=4"), model, tok,
-                          tiny_examples(), reward_fn=first_token_reward)
+        trainer = make_trainer(tiny_config(Path({str(tmp_path / 'b')!r}), "train.iterations=4"), model, tok)
         def kill_after_two(iteration, metrics):
             if iteration == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -117,5 +118,6 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
     for want, got in zip(history[2:], tail, strict=True):
         for key in ("reward", "policy_loss", "kl", "grad_norm", "anchor_distance"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
+    for (name, a), b in zip(straight.engine.learning.policy.state_dict().items(),
+                            resumed.engine.learning.policy.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name

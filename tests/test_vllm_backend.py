@@ -8,6 +8,8 @@ size of at least 32, so the tiny model here has 2 heads of 64 (the shared tiny m
 from __future__ import annotations
 
 import copy
+import json
+import os
 import subprocess
 import sys
 from functools import partial
@@ -19,6 +21,7 @@ from conftest import memorise_search_trajectory, tiny_llama
 from agent.backend import SamplingParams
 from agent.continuous import ContinuousSearchAgent
 from agent.hf_backend import TransformersBackend
+from agent.trajectory import load_jsonl
 from agent.rollout import RolloutConfig, SearchAgent
 from data.qa import QAExample
 from retriever.client import AsyncRetrieverClient, RetrieverClient
@@ -26,6 +29,7 @@ from retriever.process import free_port
 from trainer.batch import collate, response_logits
 from trainer.config import load_config
 from trainer.kl import gather_logprobs
+from trainer.engine import LocalEngine
 from trainer.loop import Trainer
 
 QUESTION = QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t")
@@ -235,7 +239,8 @@ def test_trainer_syncs_the_engine_after_every_update(engine, search_model, token
     ])
     policy = copy.deepcopy(search_model)
     before = [p.detach().clone() for p in policy.parameters()]
-    trainer = Trainer(cfg, policy, tokenizer, [QUESTION, OTHER], reward_fn=parity_reward, backend=engine)
+    trainer = Trainer(cfg, LocalEngine(cfg, policy, tokenizer, engine), tokenizer, [QUESTION, OTHER],
+                      reward_fn=parity_reward)
     try:
         history = trainer.run()
     finally:
@@ -243,3 +248,48 @@ def test_trainer_syncs_the_engine_after_every_update(engine, search_model, token
     assert any((p - b).abs().max() > 1e-3 for p, b in zip(policy.parameters(), before, strict=True))
     # Iterations 2 and 3 sample from synced weights; without the sync their gap would be the update's size.
     assert all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
+
+
+def test_evaluation_on_vllm_equals_the_transformers_loops(engine, search_model, tokenizer, server_url, tmp_path):
+    """eval.harness on the engine (continuous, all questions in one rollout) and on transformers (per turn, in
+    chunks): the same greedy trajectories and scores, in every mode."""
+    from eval.harness import evaluate
+
+    datasets = {"nq": [QUESTION, OTHER, QUESTION], "triviaqa": [OTHER]}
+    reports = {}
+    with RetrieverClient(server_url) as client:
+        for name, backend in (("vllm", engine), ("transformers", TransformersBackend(search_model, tokenizer))):
+            reports[name] = evaluate(backend, tokenizer, client, datasets, ["direct", "rag", "agent"], ROLLOUT,
+                                     model_name="search-llama", subset="test", out_dir=tmp_path / name, batch_size=2)
+    for ours, reference in zip(reports["vllm"].results, reports["transformers"].results, strict=True):
+        assert (ours.dataset, ours.mode, ours.n, ours.em, ours.mean_turns, ours.mean_searches) == \
+               (reference.dataset, reference.mode, reference.n, reference.em, reference.mean_turns,
+                reference.mean_searches)
+        files = [tmp_path / name / "trajectories" / f"{ours.dataset}.{ours.mode}.jsonl" for name in reports]
+        same_trajectories(*(list(load_jsonl(path)) for path in files))
+    assert reports["vllm"].results[-2].em == 2 / 3  # nq agent: both QUESTION rows answer "Jane Austen"
+
+
+def test_emapg_train_rolls_out_on_vllm_by_default(engine_folder, server_url, tmp_path):
+    """`emapg train` with no rollout.backend: vLLM (installed here), its own engine, continuous rollouts through the
+    real server, weights synced after every update."""
+    root = tmp_path / "flashrag" / "bamboogle"
+    root.mkdir(parents=True)
+    (root / "test.jsonl").write_text("".join(
+        json.dumps({"question": q.question, "golden_answers": list(q.golden_answers)}) + "\n" for q in (QUESTION, OTHER)))
+    run = subprocess.run([
+        sys.executable, "-m", "emapg.cli", "train", f"model={engine_folder}", f"out_dir={tmp_path / 'runs'}",
+        "name=default", f"retriever.url={server_url}", f"data.flashrag_root={tmp_path / 'flashrag'}",
+        "data.train=[bamboogle:test]", "data.subset=full", "rollout.max_turns=2", "rollout.max_tokens_per_turn=16",
+        "rollout.max_obs_tokens=128", "rollout.max_model_len=2048", "train.iterations=2",
+        "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2", "train.mini_batch_size=4",
+        "train.micro_batch_size=2", "train.warmup_steps=0", "kl.topk=4", "ema.period=1",
+    ], capture_output=True, text=True, timeout=900, env={**os.environ, "EMAPG_ARTIFACTS": str(tmp_path / "artifacts")},
+        check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    config = json.loads((run_dir / "checkpoints" / "iter-000002" / "state.json").read_text())["config"]
+    assert config["rollout"]["backend"] == "vllm"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in metrics), metrics
+    assert metrics[0]["searches"] > 0  # the memorised question searches, through the real server

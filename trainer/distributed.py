@@ -1,7 +1,7 @@
 """Scale-out on Ray: rollout workers (one engine each) and learner ranks (torch.distributed: DDP or FSDP2) as
-actors, driven by the same loop as the in-process trainer (`Trainer.step` / `Trainer.run`).
+actors behind `RayEngine`, which the training loop (`trainer.loop.Trainer`) drives as it drives the in-process one.
 
-    driver (RayTrainer)            prompts -> split over workers -> trajectories -> rewards, advantages, batch
+    driver (Trainer + RayEngine)   prompts -> split over workers -> trajectories -> rewards, advantages, batch
       RolloutWorker x W            rollouts over its own engine (vLLM: continuous; transformers) and retriever client
       LearnerRank x R              PolicyTrainer: prepare + update (gradients summed over ranks) + EMA anchor
     after each update              rank 0's weights -> object store -> every worker's engine, in place
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ray
 import torch
+from transformers import set_seed
 
 from agent.backend import Generation, SamplingParams
 from agent.trajectory import Trajectory
@@ -27,13 +28,7 @@ from data.qa import QAExample
 from retriever.process import free_port
 from trainer.batch import RolloutBatch
 from trainer.config import TrainConfig
-from trainer.loop import (
-    PolicyTrainer,
-    Trainer,
-    rollout_agent,
-    rollout_backend,
-    seed_everything,
-)
+from trainer.engine import PolicyTrainer, rollout_agent, rollout_backend
 
 # Each rollout worker's seeds are offset by this much, so two workers never draw the same random stream.
 WORKER_SEED_STRIDE = 1_000_003 * 7
@@ -57,13 +52,14 @@ class RolloutWorker:
         # The transformers engine samples from a policy copy of its own; vLLM loads the model folder itself.
         policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
             if cfg.rollout.backend == "transformers" else None
-        self.backend = rollout_backend(cfg, policy, self.tokenizer)
+        self.backend = rollout_backend(cfg, self.tokenizer, policy)
         client = None
         if cfg.rollout.mode != "direct":
             client = RetrieverClient(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s)
         self.agent = rollout_agent(cfg, self.backend, self.tokenizer, client)
 
-    def rollout(self, examples: list[QAExample], params: SamplingParams, samples: int) -> tuple[list[Trajectory], float]:
+    def rollout(self, examples: list[QAExample], params: SamplingParams,
+                samples: int) -> tuple[list[Trajectory], float]:
         """The trajectories, and the seconds the engine waited on retrieval."""
         return self.agent.rollout(examples, params, samples), self.agent.retrieval_wait_s
 
@@ -95,7 +91,7 @@ class LearnerRank:
         cuda = self.cfg.distributed.gpus_per_learner_rank > 0
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master.rsplit(":", 1)
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-        seed_everything(self.cfg.seed)
+        set_seed(self.cfg.seed)
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is cuda:0.
         self.learning = PolicyTrainer(self.cfg, _policy(self.cfg, "cuda" if cuda else "cpu"))
 
@@ -156,11 +152,12 @@ def start_ray(cfg: TrainConfig) -> None:
              include_dashboard=False, log_to_driver=True)
 
 
-class RayTrainer(Trainer):
-    """The in-process Trainer's loop, with rollouts, learning and weight sync on Ray actors."""
+class RayEngine:
+    """The Engine on Ray actors: rollouts split over the workers, learning on the ranks, rank 0's weights synced into
+    every worker's engine."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer, examples: list[QAExample], *, reward_fn=None):
-        super().__init__(cfg, None, tokenizer, examples, reward_fn=reward_fn)
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
         start_ray(cfg)
         d = cfg.distributed
         cfg_json = cfg.model_dump(mode="json")
@@ -173,22 +170,21 @@ class RayTrainer(Trainer):
         self.ranks = [rank.options(**o).remote(cfg_json) for o in rank_options]
         master = ray.get(self.ranks[0].rendezvous_address.remote())
         ray.get([r.start.remote(i, len(self.ranks), master) for i, r in enumerate(self.ranks)])
+        self.weights_stale = True  # the workers' engines hold the base model until the first sync
 
-    def rollout(self, examples: list[QAExample], params: SamplingParams) -> list[Trajectory]:
+    def rollout(self, examples: list[QAExample], params: SamplingParams,
+                samples: int) -> tuple[list[Trajectory], dict[str, float]]:
         chunks = split_evenly(examples, len(self.workers))
-        g = self.cfg.train.rollouts_per_prompt
-        futures = [w.rollout.remote(chunk, worker_params(params, i), g)
+        futures = [w.rollout.remote(chunk, worker_params(params, i), samples)
                    for i, (w, chunk) in enumerate(zip(self.workers, chunks, strict=True)) if chunk]
         parts = ray.get(futures)
-        self.worker_retrieval_wait_s = max(wait for _, wait in parts)  # workers run side by side
-        return [traj for trajectories, _ in parts for traj in trajectories]
+        trajectories = [traj for part, _ in parts for traj in part]
+        return trajectories, {"rollout_retrieval_wait_s": max(wait for _, wait in parts)}  # workers run side by side
 
-    def retrieval_wait_s(self) -> float:
-        return self.worker_retrieval_wait_s
-
-    def learn(self, batch: RolloutBatch) -> dict[str, float]:
+    def learn(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
-        stats = ray.get([r.train_step.remote(batch_ref, self.iteration) for r in self.ranks])
+        stats = ray.get([r.train_step.remote(batch_ref, iteration) for r in self.ranks])
+        self.weights_stale = True
         return stats[0]  # all-reduced inside the update: every rank reports the same numbers
 
     def from_rank_0(self, method: str):
@@ -205,12 +201,13 @@ class RayTrainer(Trainer):
             ray.get([w.load_weights.remote(weights) for w in self.workers])
         self.weights_stale = False
 
-    def learner_state(self) -> dict:
+    def state(self) -> dict:
         return ray.get(self.from_rank_0("state"))
 
-    def load_learner_state(self, state: dict) -> None:
+    def load_state(self, state: dict) -> None:
         ref = ray.put(state)
         ray.get([r.load_state.remote(ref) for r in self.ranks])
+        self.weights_stale = True
 
     def init_from(self, path: Path) -> None:
         ray.get([r.init_from.remote(str(path)) for r in self.ranks])

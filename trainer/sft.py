@@ -16,14 +16,15 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import get_constant_schedule_with_warmup
 
 from agent.trajectory import Trajectory
 from trainer.batch import autocast, collate, response_logits
+from trainer.bookkeeping import PromptSampler, RunLogger
 from trainer.checkpoint import Checkpoint, rng_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.kl import gather_logprobs
 from trainer.learner import micro_batch_shares, micro_batches
-from trainer.loop import PromptSampler, RunLogger, warmup_schedule
 
 
 def sft_loss(token_logits: Tensor, token_ids: Tensor) -> Tensor:
@@ -39,7 +40,7 @@ class SFTTrainer:
         s = cfg.sft
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=s.lr, betas=cfg.train.betas,
                                            weight_decay=s.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, s.warmup_steps)
+        self.scheduler = get_constant_schedule_with_warmup(self.optimizer, s.warmup_steps)
         self.sampler = PromptSampler(demonstrations, cfg.seed)  # seeded epochs over the demonstrations
         self.steps = math.ceil(len(demonstrations) * s.epochs / s.batch_size)
         self.step_count = 0

@@ -1,0 +1,238 @@
+"""The Engine a training run drives (design.md section 6): roll out, learn, sync weights, state, load state, init
+from a checkpoint. `LocalEngine` does it in this process; `trainer.distributed.RayEngine` on Ray actors (rollout
+workers, learner ranks). Both learn with `PolicyTrainer` and roll out with `rollout_agent` over `rollout_backend`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import get_constant_schedule_with_warmup
+
+from agent.backend import RolloutBackend, SamplingParams
+from agent.continuous import search_agent
+from agent.hf_backend import TransformersBackend
+from agent.rollout import RolloutAgent, RolloutConfig
+from agent.trajectory import Trajectory
+from data.qa import QAExample
+from trainer.batch import RolloutBatch
+from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
+from trainer.config import TrainConfig
+from trainer.ema import EmaAnchor, should_update_ema
+from trainer.learner import Learner, enable_gradient_checkpointing, fsdp_logits
+
+
+class Engine(Protocol):
+    def rollout(self, examples: list[QAExample], params: SamplingParams,
+                samples: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """`samples` trajectories per example with the current policy, and the rollout's stats
+        (`rollout_retrieval_wait_s`: seconds the engine waited on retrieval)."""
+        ...
+
+    def learn(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
+        """The EMA-PG step on a scored batch (prepare, update, the EMA anchor on its period): stats and timings."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Copy the policy into the rollout engine(s), when it changed since the last copy."""
+        ...
+
+    def state(self) -> dict:
+        """The learner's full state: policy, anchor, optimizer, scheduler (what a checkpoint holds)."""
+        ...
+
+    def load_state(self, state: dict) -> None: ...
+
+    def init_from(self, path: Path) -> None:
+        """Start from another run's checkpoint or run folder (e.g. SFT): its policy, the anchor set to it."""
+        ...
+
+
+def rollout_config(cfg: TrainConfig) -> RolloutConfig:
+    r = cfg.rollout
+    return RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+                         max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode)
+
+
+def rollout_agent(cfg: TrainConfig, backend: RolloutBackend, tokenizer, retriever) -> RolloutAgent:
+    """The run's rollouts over `backend`: continuous on vLLM (at most rollout.batch_size trajectories in flight), the
+    per-turn loop on transformers."""
+    return search_agent(backend, tokenizer, retriever, rollout_config(cfg), retriever_timeout_s=cfg.retriever.timeout_s,
+                        max_concurrency=cfg.rollout.batch_size)
+
+
+def rollout_backend(cfg: TrainConfig, tokenizer, policy=None) -> RolloutBackend:
+    """The configured rollout engine, one per process: whoever makes it closes it. transformers samples from `policy`
+    itself; vLLM starts from `cfg.model` on disk and holds its own copy of the weights, which are synced in place
+    before it samples (`load_weights`)."""
+    r = cfg.rollout
+    if r.backend == "transformers":
+        if policy is None:
+            raise ValueError("rollout.backend=transformers samples from a policy in memory: pass one")
+        return TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
+    from agent.policy import resolve_policy
+    from agent.vllm_backend import VLLMBackend
+
+    return VLLMBackend(resolve_policy(cfg.model), dtype=r.dtype or cfg.dtype, seed=cfg.seed,
+                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
+                       max_model_len=r.max_model_len)
+
+
+class PolicyTrainer:
+    """The learning side of a run in one process: policy, EMA anchor, optimizer and schedule, and the EMA-PG step
+    on a scored batch. LocalEngine holds one; under Ray every learner rank holds one (trainer.distributed).
+    With torch.distributed initialised and `distributed.strategy=fsdp`, policy and anchor are sharded the same way
+    over the ranks (each rank updates its own shard of the anchor) and the optimizer holds only this rank's shard.
+    """
+
+    def __init__(self, cfg: TrainConfig, policy):
+        self.cfg = cfg
+        self.policy = policy
+        t = cfg.train
+        self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
+        if t.gradient_checkpointing:  # the policy only: the anchor never runs a gradient pass
+            enable_gradient_checkpointing(policy)
+        self.sharded = cfg.distributed.strategy == "fsdp" and torch.distributed.is_initialized()
+        logits = {}
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(next(policy.parameters()).device.type, (torch.distributed.get_world_size(),))
+            temperature = cfg.rollout.temperature or 1.0
+            logits = {"policy_logits": fsdp_logits(policy, temperature, mesh),
+                      "anchor_logits": fsdp_logits(self.anchor.module, temperature, mesh)}
+        # After sharding: the optimizer must hold the sharded parameters.
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.scheduler = get_constant_schedule_with_warmup(self.optimizer, t.warmup_steps)
+        self.parameter_names = [name for name, _ in policy.named_parameters()]  # the optimizer's parameter order
+        self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
+                               cfg.autocast, **logits)
+
+    def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
+        """learner.prepare (pi_old, anchor top-k), learner.update (PPO epochs, AdamW), then the EMA anchor update on
+        its period; returns the update's stats and timings."""
+        cfg = self.cfg
+        batch = batch.to(next(self.policy.parameters()).device)
+        start = time.perf_counter()
+        self.learner.prepare(batch)
+        timings = {"time_prepare_s": time.perf_counter() - start}
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+        stats = self.learner.update(batch, generator)
+        timings["time_update_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if should_update_ema(iteration, cfg.ema.period):
+            self.anchor.update(self.policy, cfg.ema.tau)
+        timings["time_ema_s"] = time.perf_counter() - start
+        return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights on CPU (for the rollout engines), one independent copy per name: tied weights
+        come back as separate tensors, which safetensors (vLLM's sync) requires. Sharded: a collective, as `state()`."""
+        if not self.sharded:
+            return {name: t.detach().to("cpu", copy=True) for name, t in self.policy.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: t.clone() for name, t in full.items()}
+
+    def state(self) -> dict:
+        """Full (unsharded) tensors. Sharded: a collective (every rank must call it); rank 0 gets the state on CPU,
+        the others empty dicts."""
+        if not self.sharded:
+            return {"policy": self.policy.state_dict(), "anchor": self.anchor.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        anchor = get_model_state_dict(self.anchor.module, options=full)
+        optimizer = get_optimizer_state_dict(self.policy, self.optimizer, options=full)
+        return {"policy": get_model_state_dict(self.policy, options=full),
+                "anchor": {name: anchor[name] for name in self.anchor.state_dict()} if anchor else {},
+                "optimizer": optimizer_state_by_index(optimizer, self.parameter_names) if optimizer else {},
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        """From `state()`'s full tensors (every rank gets the same dict; sharded, each keeps its own shard)."""
+        if not self.sharded:
+            self.policy.load_state_dict(state["policy"])
+            self.anchor.load_state_dict(state["anchor"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.policy, state["policy"], options=full)
+            # The anchor's state names tied weights once; the tied copy is the same parameter.
+            set_model_state_dict(self.anchor.module, state["anchor"], options=StateDictOptions(full_state_dict=True,
+                                                                                              strict=False))
+            set_optimizer_state_dict(self.policy, self.optimizer,
+                                     optimizer_state_by_name(state["optimizer"], self.parameter_names), options=full)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def init_from(self, path: Path) -> None:
+        """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
+        weights = load_policy_weights(path)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(self.policy, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.policy.load_state_dict(weights)
+        self.anchor.reset_to(self.policy)
+
+
+class LocalEngine:
+    """The Engine in this process: a PolicyTrainer, and rollouts on `backend` (the process's rollout engine, owned by
+    whoever made it: demo and compare share one between training and evaluation)."""
+
+    def __init__(self, cfg: TrainConfig, policy, tokenizer, backend: RolloutBackend, retriever=None):
+        self.learning = PolicyTrainer(cfg, policy)
+        self.backend = backend
+        self.agent: RolloutAgent = rollout_agent(cfg, backend, tokenizer, retriever)
+        # vLLM holds its own copy of the weights: it gets the policy's before the first rollout (it loaded the base
+        # model; the run may start from an SFT checkpoint or resume) and after every change.
+        self.weights_stale = True
+
+    def rollout(self, examples: list[QAExample], params: SamplingParams,
+                samples: int) -> tuple[list[Trajectory], dict[str, float]]:
+        trajectories = self.agent.rollout(examples, params, samples)
+        return trajectories, {"rollout_retrieval_wait_s": self.agent.retrieval_wait_s}
+
+    def learn(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
+        self.weights_stale = True
+        return self.learning.train_step(batch, iteration)
+
+    def sync_weights(self) -> None:
+        """In place into vLLM; the in-process transformers backend samples from the policy itself (nothing to copy)."""
+        if self.weights_stale:
+            self.backend.load_weights(self.learning.policy.named_parameters())
+        self.weights_stale = False
+
+    def state(self) -> dict:
+        return self.learning.state()
+
+    def load_state(self, state: dict) -> None:
+        self.learning.load_state(state)
+        self.weights_stale = True
+
+    def init_from(self, path: Path) -> None:
+        self.learning.init_from(path)
+        self.weights_stale = True
