@@ -6,15 +6,16 @@ trainer runs on a GPU and sizes a step there; on CPU it runs the same code with 
 Trajectories are synthetic but shaped like search rollouts: a prompt, then model turns (loss_mask 1) alternating
 with observations (loss_mask 0), turn lengths varying by row so micro-batches are cut to different widths.
 Times are the best of --steps after one warm-up step; peak memory is CUDA's max_memory_allocated (weights,
-optimizer state and anchor included), or the process's peak RSS on CPU. Two comparisons run the step twice, in
+optimizer state and anchor included), or the process's peak RSS on CPU. Three comparisons run the step twice, in
 fresh processes (peak memory does not reset), and print both and their ratios: `--gradient-checkpointing both`
-(without and with activation checkpointing) and `--logprob-chunk-tokens both` (the LM head over all of a
-micro-batch's tokens at once against 256 at a time).
+(without and with activation checkpointing), `--lora` (full fine-tuning against LoRA adapters of `--lora-rank` on
+every attention and MLP Linear, with the exact EMA anchor of trainer.ema.LoraEmaAnchor) and `--logprob-chunk-tokens
+both` (the LM head over all of a micro-batch's tokens at once against 256 at a time).
 
     python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
         [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
         [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
-        [--gradient-checkpointing off|on|both] [--logprob-chunk-tokens N|both]
+        [--gradient-checkpointing off|on|both] [--lora] [--lora-rank 16] [--logprob-chunk-tokens N|both]
 """
 
 from __future__ import annotations
@@ -86,10 +87,15 @@ def main() -> None:
     ap.add_argument("--autocast", default="bfloat16", choices=["none", "bfloat16"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gradient-checkpointing", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--lora", action="store_true", help="compare full fine-tuning with LoRA (--lora-rank)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of this run (0: full fine-tuning)")
     ap.add_argument("--logprob-chunk-tokens", default="256", help="train.logprob_chunk_tokens, or both (0 and 256)")
     args = ap.parse_args()
     if args.gradient_checkpointing == "both":
         compare("train_step_gradient_checkpointing", "--gradient-checkpointing", {"off": "off", "on": "on"})
+        return
+    if args.lora:
+        compare("train_step_lora", "--lora-rank", {"full": "0", "lora": str(args.lora_rank or 16)})
         return
     if args.logprob_chunk_tokens == "both":
         compare("train_step_logprob_chunks", "--logprob-chunk-tokens", {"unchunked": "0", "chunked": "256"})
@@ -112,7 +118,7 @@ def main() -> None:
         f"train.prompts_per_iteration={args.trajectories}", "train.rollouts_per_prompt=1",
         f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
         f"autocast={args.autocast}", f"train.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
-        f"train.logprob_chunk_tokens={args.logprob_chunk_tokens}",
+        f"lora.rank={args.lora_rank}", f"train.logprob_chunk_tokens={args.logprob_chunk_tokens}",
     ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
     learning = PolicyTrainer(cfg, policy)  # the trainer's own: EMA anchor, AdamW + schedule, Learner
     learner, anchor = learning.learner, learning.anchor
@@ -149,10 +155,11 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "train_step", "device": device, "device_name": device_name(device),
         "torch": torch.__version__, "autocast": args.autocast,
-        "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "gradient_checkpointing": cfg.train.gradient_checkpointing, "lora_rank": cfg.lora.rank,
         "logprob_chunk_tokens": cfg.train.logprob_chunk_tokens,
         "model": {"vocab": args.vocab, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
-                  "params": sum(p.numel() for p in policy.parameters())},
+                  "params": sum(p.numel() for p in policy.parameters()),
+                  "trained_params": sum(p.numel() for p in policy.parameters() if p.requires_grad)},
         "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
         "model_tokens": int(batch.loss_mask.sum()), "optimizer_steps": stats["optimizer_steps"],
         "step_s": round(step_s, 4), **{k: round(v, 4) for k, v in best.items()},
@@ -169,7 +176,9 @@ def compare(benchmark: str, option: str, variants: dict[str, str]) -> None:
     while i < len(sys.argv):
         arg = sys.argv[i]
         flag = arg.split("=", 1)[0]
-        if flag == option:  # set per run below
+        if flag == "--lora":  # the comparison's switch
+            i += 1
+        elif flag == option:  # set per run below
             i += 1 if "=" in arg else 2
         else:
             argv.append(arg)

@@ -1,6 +1,6 @@
-"""Ray scale-out on a local cluster: 2 rollout workers and 2 learner ranks (gloo; DDP, and FSDP2 sharding) give the
-one-process update exactly (FSDP2 with activation checkpointing), hold identical weights, save and restore their
-state, and run the training loop.
+"""Ray scale-out on a local cluster: 2 rollout workers and 2 learner ranks (gloo; DDP, FSDP2 sharding, and DDP over
+LoRA adapters) give the one-process update exactly (FSDP2 with activation checkpointing), hold identical weights,
+save and restore their state, and run the training loop (LoRA: the workers get merged weights).
 
 The rollout workers use the transformers engine here (a vLLM engine per actor would take minutes to start on
 2 cores; tests/test_vllm_backend.py covers vLLM and its weight sync).
@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 from test_learner import ragged_trajectories
+from transformers import set_seed
 
 from agent.policy import load_policy
 from data.qa import QAExample
@@ -45,17 +46,20 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, strategy):
+@pytest.mark.parametrize("variant", ["ddp", "fsdp", "ddp-lora"])
+def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, variant):
     from trainer.distributed import RayEngine
 
+    strategy, _, lora = variant.partition("-")
     # FSDP with activation checkpointing (the GPU recipes' setting): the one-process reference checkpoints too.
     checkpointing = f"train.gradient_checkpointing={strategy == 'fsdp'}"
-    cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}", checkpointing)
+    cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}", checkpointing,
+                     f"lora.rank={4 if lora else 0}", "lora.alpha=8")
     trajectories = ragged_trajectories(len(tokenizer), n=8)
     advantages = torch.linspace(-1.0, 1.0, 8)
     batch = collate(trajectories, advantages, pad_id=0)
 
+    set_seed(cfg.seed)  # as each rank does before building its PolicyTrainer (LoRA's A is drawn at random)
     single = PolicyTrainer(cfg, load_policy(str(tiny_model_dir)))
     single_stats = single.train_step(collate(trajectories, advantages, pad_id=0), iteration=1)
 
@@ -65,7 +69,10 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         stats = engine.learn(batch, iteration=1)
         gradients = ray.get([rank.gradients.remote() for rank in engine.ranks])
         states = ray.get([rank.state.remote() for rank in engine.ranks])
-        for name, param in single.policy.named_parameters():
+        trained = [(name, p) for name, p in single.policy.named_parameters() if p.requires_grad]
+        if lora:  # the adapters alone train
+            assert 0 < len(trained) < len(list(single.policy.parameters()))
+        for name, param in trained:
             for rank_gradients in gradients:  # the ranks' summed gradient = the one-process mini-batch gradient
                 torch.testing.assert_close(rank_gradients[name], param.grad, rtol=1e-4, atol=1e-6)
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "anchor_distance"):
@@ -78,7 +85,7 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
             assert states[1]["policy"] == {} and states[1]["anchor"] == {}
         # After one AdamW step: Adam's first step is ~lr x g / |g|, so where a gradient is near 0, summation-order
         # noise moves a weight by a good fraction of lr (measured 1.6e-4 at lr 0.01); lr 1e-5 keeps that under 1e-6.
-        for part, reference in (("policy", single.policy.state_dict()), ("anchor", single.anchor.state_dict())):
+        for part, reference in (("policy", single.state()["policy"]), ("anchor", single.anchor.state_dict())):
             for name, value in reference.items():
                 torch.testing.assert_close(states[0][part][name], value, rtol=1e-4, atol=1e-6)
 

@@ -11,7 +11,8 @@ import pytest
 from trainer.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-GPU_RECIPES = {"gpu_1x.yaml": 1, "paper_qwen2.5_3b_base.yaml": 8}  # recipe -> GPUs it is written for
+GPU_RECIPES = {"gpu_1x.yaml": 1, "gpu_1x_lora.yaml": 1, "paper_qwen2.5_3b_base.yaml": 8}  # recipe -> GPUs
+FULL_FINE_TUNING = ["gpu_1x.yaml", "paper_qwen2.5_3b_base.yaml"]
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -34,7 +35,7 @@ def test_gpu_recipe_uses_vllm_and_ray_colocated_on_its_gpus(name, gpus):
     assert cfg.rollout.gpu_memory_utilization <= 0.4
 
 
-@pytest.mark.parametrize("name", GPU_RECIPES)
+@pytest.mark.parametrize("name", FULL_FINE_TUNING)
 def test_gpu_recipe_keeps_fp32_master_weights_under_bf16_autocast(name):
     """AdamW at lr 1e-6 cannot move bf16 weights (the step is below half an ulp), so the recipes keep fp32
     parameters and run the passes in bf16; the vLLM engine samples in bf16 (its memory budget assumes it)."""
@@ -63,3 +64,16 @@ def test_paper_recipe_keeps_the_papers_algorithm_settings():
     assert cfg.retriever.topk == 3
     assert cfg.reward.format == 0.0
     assert cfg.data.train == ["nq:train", "hotpotqa:train"]
+
+
+def test_lora_recipe_trains_adapters_over_a_frozen_bf16_base_with_an_fp32_anchor():
+    """The base never moves, so bf16 costs it nothing (the adapters are fp32 whatever `dtype` says); the anchor's
+    deltas stay fp32, DDP (LoRA's only strategy), and the LM head runs in chunks: the recipe's memory table counts
+    on all of it."""
+    cfg = load_config(CONFIGS / "gpu_1x_lora.yaml")
+    assert cfg.lora.rank > 0 and cfg.lora.alpha > 0 and cfg.lora.dropout == 0.0
+    assert set(cfg.lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (cfg.dtype, cfg.autocast, cfg.rollout.dtype) == ("bfloat16", "bfloat16", "bfloat16")
+    assert cfg.ema.dtype == "float32"
+    assert cfg.distributed.strategy == "ddp" and cfg.train.gradient_checkpointing
+    assert 0 < cfg.train.logprob_chunk_tokens <= 256

@@ -111,6 +111,22 @@ class KLSection(Section):
     iw_clip: float | None = None
 
 
+class LoRASection(Section):
+    """LoRA adapters (peft) on the policy: W = W0 + (alpha / rank) B A in each targeted Linear, W0 frozen, only A and
+    B trained (trainer/lora.py); the EMA anchor is then W0 + D with D the EMA of (alpha / rank) B A, exactly
+    (trainer.ema.LoraEmaAnchor). A section of its own: `model` stays the plain name or folder it always was."""
+
+    rank: int = Field(0, ge=0)  # 0 = off: full fine-tuning
+    alpha: float = Field(32.0, gt=0)
+    # Qwen2 / Llama / SmolLM2 names: every Linear of attention and MLP (not the LM head: the chunked log-probs run
+    # it as a plain Linear).
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
+    # On the adapters' input, in train mode only: the update pass but not pi_old's, so above 0 the first PPO ratio is
+    # no longer 1 (peft's dropout noise); 0 keeps the ratio exact.
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class EMASection(Section):
     tau: float = Field(0.9, ge=0, le=1)  # 1.0 = fixed reference (plain GRPO)
     period: int = Field(10, ge=1)  # iterations between anchor updates
@@ -169,6 +185,7 @@ class TrainConfig(Section):
     train: TrainSection = TrainSection()
     kl: KLSection = KLSection()
     ema: EMASection = EMASection()
+    lora: LoRASection = LoRASection()
     reward: RewardSection = RewardSection()
     sft: SFTSection = SFTSection()
     distributed: DistributedSection = DistributedSection()
@@ -192,6 +209,11 @@ class TrainConfig(Section):
                 f"sft.micro_batch_size ({self.sft.micro_batch_size}) must divide sft.batch_size ({self.sft.batch_size})"
             )
         d = self.distributed
+        if self.lora.rank and d.strategy == "fsdp":
+            raise ValueError(
+                "lora.rank > 0 with distributed.strategy=fsdp is not supported (the LoRA anchor shares the frozen base "
+                "with the policy, which FSDP would shard twice); use ddp: only the adapters' gradients are reduced"
+            )
         if d.backend == "ray" and self.train.mini_batch_size % (self.train.micro_batch_size * d.learner_ranks):
             raise ValueError(
                 f"distributed.learner_ranks ({d.learner_ranks}) x train.micro_batch_size ({self.train.micro_batch_size})"

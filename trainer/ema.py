@@ -149,3 +149,117 @@ class EmaAnchor:
                     f"anchor {tuple(param.shape)} {param.dtype}"
                 )
             param.copy_(saved)
+
+
+class DeltaLinear(nn.Module):
+    """An adapted Linear in the LoRA anchor: (W0 + D) x = base(x) + D x, W0 the policy's frozen base layer (shared,
+    not copied) and D a dense buffer. D x runs in D's dtype, as peft runs the adapters' B A x in theirs: added to W0
+    in bf16, a delta a few hundred times smaller than the weight would round away."""
+
+    def __init__(self, base_layer: nn.Linear, delta: Tensor) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.register_buffer("delta", delta)
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base_layer(x)
+        return result + torch.nn.functional.linear(x.to(self.delta.dtype), self.delta).to(result.dtype)
+
+
+class LoraEmaAnchor:
+    """The EMA anchor of a LoRA policy, exactly the EMA of its effective weights (design.md §6).
+
+    The policy's adapted weight is W = W0 + s B A with W0 frozen; the anchor's is W0 + D, and every update is
+    D <- tau D + (1 - tau) s B A (the EMA of W, since W0 never moves). D is dense: after n updates it is a sum of n
+    rank-r terms, so no pair of factors can hold it (averaging A and B separately averages neither W nor B A).
+    Parameters outside the adapted modules are frozen and equal in policy and anchor: the anchor shares them.
+
+    Memory: one dense D per adapted module, i.e. the adapted matrices once in `dtype` (fp32 by default). D starts
+    from the policy's s B A (zero for fresh adapters) and its increments are relative to D, not to W0: a bf16 D
+    keeps 8 bits of the delta, where a bf16 full anchor (EmaAnchor) loses increments below an ulp of the weight.
+    Forward cost: one more matmul per adapted module (D x).
+    """
+
+    def __init__(self, policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> None:
+        from trainer.lora import delta_weight, lora_layers
+
+        self.dtype = dtype
+        layers = lora_layers(policy)
+        adapter_params = {id(p) for _, layer in layers for p in layer.parameters() if p.requires_grad}
+        trained = [name for name, p in policy.named_parameters() if p.requires_grad and id(p) not in adapter_params]
+        if trained:  # they would need averaging too: this anchor shares everything outside the adapters
+            raise ValueError(f"a LoRA policy must train only its adapters; also trainable: {trained[:3]}")
+        # A structural copy sharing every parameter and buffer (the memo maps each to itself), whose adapted layers
+        # are then replaced: the frozen base exists once.
+        shared = {id(t): t for t in (*policy.parameters(), *policy.buffers())}
+        self.module = copy.deepcopy(policy, memo=shared)
+        self._names = [name for name, _ in layers]
+        with torch.no_grad():
+            for name, layer in layers:
+                copied = self.module.get_submodule(name)
+                self.module.set_submodule(name, DeltaLinear(copied.base_layer, delta_weight(layer).to(dtype)))
+        self.module.eval()
+
+    @property
+    def _deltas(self) -> list[Tensor]:
+        return [self.module.get_submodule(name).delta for name in self._names]
+
+    def _policy_deltas(self, policy: nn.Module) -> Iterator[Tensor]:
+        """s B A of each of the policy's adapted modules (fp32), one at a time: at most one dense matrix transient."""
+        from trainer.lora import delta_weight, lora_layers
+
+        layers = lora_layers(policy)
+        if [name for name, _ in layers] != self._names:
+            raise ValueError("the policy's LoRA layers do not match the anchor's (names or order differ)")
+        return (delta_weight(layer) for _, layer in layers)
+
+    @torch.no_grad()
+    def update(self, policy: nn.Module, tau: float) -> None:
+        """D <- tau D + (1 - tau) s B A for every adapted module, in place."""
+        if not 0.0 <= tau <= 1.0:
+            raise ValueError(f"tau must be in [0, 1]; got {tau}")
+        if tau == 1.0:
+            return  # a fixed reference, bit for bit
+        for delta, target in zip(self._deltas, self._policy_deltas(policy), strict=True):
+            delta.lerp_(target.to(device=delta.device, dtype=delta.dtype), 1.0 - tau)
+
+    @torch.no_grad()
+    def reset_to(self, policy: nn.Module) -> None:
+        """D <- s B A: the anchor equals the policy."""
+        for delta, target in zip(self._deltas, self._policy_deltas(policy), strict=True):
+            delta.copy_(target)
+
+    @torch.no_grad()
+    def distance(self, policy: nn.Module) -> float:
+        """L2 norm of (anchor - policy) effective weights = of (D - s B A) over the adapted modules (the rest is
+        shared)."""
+        sum_sq = torch.zeros((), dtype=torch.float64)
+        for delta, target in zip(self._deltas, self._policy_deltas(policy), strict=True):
+            sum_sq += (delta.float() - target.to(delta.device)).square().sum().double().cpu()
+        return float(sum_sq.sqrt())
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Each adapted module's D by `<module>.delta` (references, not copies): safetensors-ready."""
+        return {f"{name}.delta": delta.detach() for name, delta in zip(self._names, self._deltas, strict=True)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Restore from `state_dict()`; refuses missing, extra, reshaped or re-typed tensors (e.g. a full-weight
+        anchor's state, or one over other target modules)."""
+        own = self.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"LoRA EMA anchor state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, delta in own.items():
+            saved = state[name]
+            if saved.shape != delta.shape or saved.dtype != delta.dtype:
+                raise ValueError(f"LoRA EMA anchor state mismatch at {name}: saved {tuple(saved.shape)} {saved.dtype},"
+                                 f" anchor {tuple(delta.shape)} {delta.dtype}")
+            delta.copy_(saved)
+
+
+def ema_anchor(policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> EmaAnchor | LoraEmaAnchor:
+    """The policy's EMA anchor: over its adapters' effective weights under LoRA, else a full copy."""
+    from trainer.lora import uses_lora
+
+    return LoraEmaAnchor(policy, dtype=dtype) if uses_lora(policy) else EmaAnchor(policy, dtype=dtype)

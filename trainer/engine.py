@@ -21,7 +21,15 @@ from data.qa import QAExample
 from trainer.batch import RolloutBatch
 from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
 from trainer.config import TrainConfig
-from trainer.ema import EmaAnchor, should_update_ema
+from trainer.ema import ema_anchor, should_update_ema
+from trainer.lora import (
+    apply_lora,
+    engine_weights,
+    load_policy_checkpoint_state,
+    merged_weights,
+    policy_checkpoint_state,
+    uses_lora,
+)
 from trainer.learner import Learner, enable_gradient_checkpointing, fsdp_logits
 
 
@@ -92,7 +100,9 @@ class PolicyTrainer:
         self.cfg = cfg
         self.policy = policy
         t = cfg.train
-        self.anchor = EmaAnchor(policy, dtype=getattr(torch, cfg.ema.dtype))
+        if cfg.lora.rank:  # in place: a rollout engine sampling from `policy` itself samples with the adapters
+            apply_lora(policy, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+        self.anchor = ema_anchor(policy, dtype=getattr(torch, cfg.ema.dtype))
         if t.gradient_checkpointing:  # the policy only: the anchor never runs a gradient pass
             enable_gradient_checkpointing(policy)
         self.sharded = cfg.distributed.strategy == "fsdp" and torch.distributed.is_initialized()
@@ -105,9 +115,10 @@ class PolicyTrainer:
             logits = {"policy_logits": fsdp_logits(policy, temperature, mesh),
                       "anchor_logits": fsdp_logits(self.anchor.module, temperature, mesh)}
         # After sharding: the optimizer must hold the sharded parameters.
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in trained], lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = get_constant_schedule_with_warmup(self.optimizer, t.warmup_steps)
-        self.parameter_names = [name for name, _ in policy.named_parameters()]  # the optimizer's parameter order
+        self.parameter_names = [name for name, _ in trained]  # the optimizer's parameter order
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
                                cfg.autocast, **logits)
 
@@ -133,7 +144,8 @@ class PolicyTrainer:
         """The policy's full weights on CPU (for the rollout engines), one independent copy per name: tied weights
         come back as separate tensors, which safetensors (vLLM's sync) requires. Sharded: a collective, as `state()`."""
         if not self.sharded:
-            return {name: t.detach().to("cpu", copy=True) for name, t in self.policy.state_dict().items()}
+            return {name: t.detach().to("cpu", copy=True)  # LoRA: merged, W0 + s B A under the base model's names
+                    for name, t in merged_weights(self.policy, self.policy.state_dict().items())}
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -146,7 +158,7 @@ class PolicyTrainer:
         """Full (unsharded) tensors. Sharded: a collective (every rank must call it); rank 0 gets the state on CPU,
         the others empty dicts."""
         if not self.sharded:
-            return {"policy": self.policy.state_dict(), "anchor": self.anchor.state_dict(),
+            return {"policy": policy_checkpoint_state(self.policy), "anchor": self.anchor.state_dict(),  # LoRA: adapters
                     "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -165,7 +177,7 @@ class PolicyTrainer:
     def load_state(self, state: dict) -> None:
         """From `state()`'s full tensors (every rank gets the same dict; sharded, each keeps its own shard)."""
         if not self.sharded:
-            self.policy.load_state_dict(state["policy"])
+            load_policy_checkpoint_state(self.policy, state["policy"])
             self.anchor.load_state_dict(state["anchor"])
             self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -186,6 +198,9 @@ class PolicyTrainer:
 
     def init_from(self, path: Path) -> None:
         """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
+        if uses_lora(self.policy):  # its checkpoints hold adapters only: a resume would reload `model` as the base
+            raise ValueError("lora.rank > 0 adapts `model`'s own weights; starting from another run's checkpoint "
+                             "(--init) is not supported yet")
         weights = load_policy_weights(path)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
@@ -223,7 +238,7 @@ class LocalEngine:
     def sync_weights(self) -> None:
         """In place into vLLM; the in-process transformers backend samples from the policy itself (nothing to copy)."""
         if self.weights_stale:
-            self.backend.load_weights(self.learning.policy.named_parameters())
+            self.backend.load_weights(engine_weights(self.learning.policy))  # LoRA: merged weights
         self.weights_stale = False
 
     def state(self) -> dict:

@@ -18,7 +18,7 @@ from torch import Tensor
 from trainer.advantages import broadcast_to_tokens
 from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
 from trainer.config import KLSection, TrainSection
-from trainer.ema import EmaAnchor
+from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.kl import sampled_kl, topk_kl_from_logprobs
 from trainer.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
@@ -67,7 +67,7 @@ class Learner:
     micro-batches a multiple of W."""
 
     def __init__(
-        self, policy, anchor: EmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
+        self, policy, anchor: EmaAnchor | LoraEmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
         temperature: float = 1.0, autocast_kind: str = "none", policy_logits=None, anchor_logits=None,
     ):
         self.policy = policy
