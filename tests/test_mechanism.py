@@ -146,7 +146,8 @@ def test_confidence_intervals_and_paired_comparison():
 
 def result(method: str, seed: int, em: float, collapsed: bool = False) -> dict:
     return {"method": method, "lr": 1e-3, "beta": 0.1, "seed": seed, "final": {"em": em, "em_birth_country": em / 2},
-            "auc": em, "collapsed": collapsed, "kl_gradient": {"variance_k3": 10.0, "variance_topk": 0.1}}
+            "auc": em, "final_train_reward": em, "collapsed": collapsed,
+            "kl_gradient": {"variance_k3": 10.0, "variance_topk": 0.1, "variance_median_k3": 1.0, "variance_median_topk": 0.1}}
 
 
 def test_summary_groups_cells_and_pairs_by_seed():
@@ -156,6 +157,7 @@ def test_summary_groups_cells_and_pairs_by_seed():
     cells = {c["method"]: c for c in summary["cells"]}
     assert cells["grpo"]["n"] == 4 and cells["grpo"]["collapsed"][0] == 1
     assert cells["ema-topk"]["variance_ratio"][0] == pytest.approx(100.0)
+    assert cells["ema-topk"]["median_variance_ratio"][0] == pytest.approx(10.0)
     em = next(c for c in summary["comparisons"] if c["metric"] == "em")
     assert (em["a"], em["b"], em["n"], em["wins"]) == ("ema-topk", "grpo", 3, 3)  # seed 3 has no pair
 

@@ -24,6 +24,7 @@ from experiments.mechanism.cell import smoothed
 METRICS = {  # name -> (label, how to read it off a result)
     "em": ("held-out EM", lambda r: r["final"]["em"]),
     "auc": ("reward AUC", lambda r: r["auc"]),
+    "final_train": ("final train reward", lambda r: r["final_train_reward"]),
     "em_two_hop": ("two-hop EM", lambda r: r["final"].get("em_birth_country", 0.0)),
 }
 
@@ -40,6 +41,14 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
         return mean, math.nan, math.nan
     half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
     return mean, mean - half, mean + half
+
+
+def geometric_mean_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of positive ratios with its 95% t-interval, computed on log10 (ratios span decades)."""
+    logs = [math.log10(r) for r in ratios if r > 0 and math.isfinite(r)]
+    if not logs:
+        return math.nan, math.nan, math.nan
+    return tuple(10**v if not math.isnan(v) else math.nan for v in mean_ci(logs))  # type: ignore[return-value]
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict:
@@ -80,9 +89,9 @@ def summarise(results: list[dict], methods: list[str]) -> dict:
         if diagnosed:
             row["variance_k3"] = float(np.mean([d["variance_k3"] for d in diagnosed]))
             row["variance_topk"] = float(np.mean([d["variance_topk"] for d in diagnosed]))
-            log_ratio = mean_ci([math.log10(d["variance_k3"] / d["variance_topk"]) for d in diagnosed
-                                 if d["variance_topk"] > 0 and d["variance_k3"] > 0])
-            row["variance_ratio"] = tuple(10**v if not math.isnan(v) else math.nan for v in log_ratio)
+            row["variance_ratio"] = geometric_mean_ci([d["variance_k3"] / d["variance_topk"] for d in diagnosed])
+            row["median_variance_ratio"] = geometric_mean_ci(
+                [d["variance_median_k3"] / d["variance_median_topk"] for d in diagnosed if "variance_median_k3" in d])
         cells.append(row)
     comparisons = []
     by_point: dict[tuple[float, float], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
@@ -95,7 +104,13 @@ def summarise(results: list[dict], methods: list[str]) -> dict:
                 comparisons.append({"lr": lr, "beta": beta, "a": a, "b": b, "metric": name,
                                     **paired({s: read(r) for s, r in per_method[a].items()},
                                              {s: read(r) for s, r in per_method[b].items()})})
-    return {"cells": cells, "comparisons": comparisons}
+    hours = sum(r.get("train_seconds", 0) + r.get("measure_seconds", 0) for r in results) / 3600
+    return {"cells": cells, "comparisons": comparisons, "runs": len(results), "run_hours": hours}
+
+
+def ratio(values: tuple[float, float, float]) -> str:
+    mean, low, high = values
+    return f"{mean:.3g}" if math.isnan(low) else f"{mean:.3g} [{low:.3g}, {high:.3g}]"
 
 
 def markdown(summary: dict, sft_eval: dict | None) -> str:
@@ -103,16 +118,20 @@ def markdown(summary: dict, sft_eval: dict | None) -> str:
     if sft_eval:
         lines += [f"SFT start (shared by every run): held-out EM {sft_eval['em']:.3f}, two-hop EM "
                   f"{sft_eval.get('em_birth_country', 0):.3f}, searches {sft_eval['searches']:.2f} (n = {sft_eval['n']:.0f}).", ""]
-    lines += ["Means over seeds with 95% t-intervals; collapse k/n with a Wilson interval; KL-gradient variance: mean "
-              "over runs of the per-state exact variance (logit space), ratio k3 / Top-k as a geometric mean.", "",
-              "| lr | beta | method | seeds | held-out EM | reward AUC | two-hop EM | collapsed | var k3 | var Top-k | "
-              "k3 / Top-k |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"{summary['runs']} runs, {summary['run_hours']:.2f} h of training and measuring in all (the shared SFT "
+              "and the server's start not counted).", ""]
+    lines += ["Means over seeds with 95% t-intervals; collapse k/n with a Wilson interval; KL-gradient variance: the exact "
+              "variance of one token's KL gradient (logit space) at 128 states of the run's last rollouts, against the run's "
+              "own anchor, averaged over states and then runs; k3 / Top-k: geometric mean over runs of that ratio, and of "
+              "the ratio of the median states.", "",
+              "| lr | beta | method | seeds | held-out EM | reward AUC | final train reward | two-hop EM | collapsed | "
+              "var k3 | var Top-k | k3 / Top-k | median-state k3 / Top-k |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         k, low, high = c["collapsed"]
-        var = (f"{c['variance_k3']:.3g} | {c['variance_topk']:.3g} | {fmt(*c['variance_ratio'], digits=2)}"
-               if "variance_k3" in c else "- | - | -")
+        var = (f"{c['variance_k3']:.3g} | {c['variance_topk']:.3g} | {ratio(c['variance_ratio'])} | "
+               f"{ratio(c['median_variance_ratio'])}" if "variance_k3" in c else "- | - | - | -")
         lines.append(f"| {c['lr']:g} | {c['beta']:g} | {c['method']} | {c['n']} | {fmt(*c['em'])} | {fmt(*c['auc'])} | "
-                     f"{fmt(*c['em_two_hop'])} | {k}/{c['n']} [{low:.2f}, {high:.2f}] | {var} |")
+                     f"{fmt(*c['final_train'])} | {fmt(*c['em_two_hop'])} | {k}/{c['n']} [{low:.2f}, {high:.2f}] | {var} |")
     lines += ["", "Paired by seed (A - B): mean difference [95% t-interval], paired t-test p, seeds won by A.", "",
               "| lr | beta | A - B | metric | seeds | difference | p | A won |", "|---|---|---|---|---|---|---|---|"]
     for d in summary["comparisons"]:

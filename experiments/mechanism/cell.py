@@ -80,13 +80,15 @@ def state_logits(policy, anchor, trajectories, pad_id: int, states: int, seed: i
 
 
 def kl_gradient_diagnostic(policy, anchor, trajectories, pad_id: int, states: int, topk: int, seed: int) -> dict:
-    """Mean over states of the exact KL-gradient variance (and bias against the reverse KL's gradient) of k3 and of
-    Top-k, at the same states and against the same anchor; the policy is the sampling policy (pi_old = pi)."""
+    """The exact KL-gradient variance of k3 and of Top-k at the same states, against the same anchor (mean over states:
+    what a mini-batch gradient's noise adds up from; median: a typical state) and the bias of each against the
+    reverse KL's gradient (mean norm); the policy is the sampling policy (pi_old = pi)."""
     logits, ref_logits = state_logits(policy, anchor, trajectories, pad_id, states, seed)
     out: dict[str, float] = {"states": float(len(logits))}
     for name, estimator in (("k3", "k3"), ("topk", "topk")):
         moments = kl_gradient_moments(logits, ref_logits, estimator, topk=topk)
         out[f"variance_{name}"] = float(moments.variance.mean())
+        out[f"variance_median_{name}"] = float(moments.variance.median())
         out[f"bias_{name}"] = float(moments.bias.mean())
     out["true_gradient_norm"] = float(moments.true_gradient.norm(dim=-1).mean())
     return out
