@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import set_seed
 
 from agent.rollout import RolloutConfig
 from agent.trajectory import load_jsonl
@@ -34,7 +35,8 @@ from retriever.client import RetrieverError
 from trainer.batch import collate, response_logits
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
-from trainer.loop import Trainer, seed_everything
+from trainer.engine import LocalEngine
+from trainer.loop import Trainer
 
 SMOOTH = 5  # iterations in the trailing mean of the reward curve
 FINITE_KEYS = ("loss", "policy_loss", "kl", "grad_norm")
@@ -105,12 +107,12 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
     p = study.policy
     policy = tiny_policy(tokenizer, p)
     policy.load_state_dict(sft_weights)
-    seed_everything(cell.seed)
+    set_seed(cell.seed)
     start = time.perf_counter()
     error = None
     try:
-        engine = rollout_engine(policy, tokenizer, cfg.rollout.batch_size)
-        Trainer(cfg, policy, tokenizer, [q.example for q in train], retriever=retriever, backend=engine).run()
+        engine = LocalEngine(cfg, policy, tokenizer, rollout_engine(policy, tokenizer, cfg.rollout.batch_size), retriever)
+        Trainer(cfg, engine, tokenizer, [q.example for q in train]).run()
     except RetrieverError:
         raise  # the server, not the method: not a result
     except RuntimeError as e:  # e.g. sampling from non-finite probabilities after the weights went NaN
