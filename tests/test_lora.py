@@ -16,7 +16,7 @@ from trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.ema import EmaAnchor, LoraEmaAnchor, ema_anchor
 from trainer.engine import PolicyTrainer
-from trainer.lora import apply_lora, lora_layers, merged_weights
+from trainer.lora import BASE_FINGERPRINT, apply_lora, lora_layers, merged_weights
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -171,23 +171,32 @@ def test_lora_with_activation_checkpointing_takes_the_same_step(tiny_model_dir, 
         torch.testing.assert_close(checkpointed_adapters[name], value, rtol=1e-5, atol=1e-6)
 
 
+def save(state: dict, folder, iteration: int = 2):
+    return save_checkpoint(Checkpoint(iteration, **state, rng={"python": [3, [0], None], "numpy": ["MT19937", [0] * 624,
+                           0, 0, 0.0], "torch": torch.get_rng_state()}, data_cursor={}, config={}), folder)
+
+
+def learner_state(loaded: Checkpoint) -> dict:
+    return {"policy": loaded.policy, "anchor": loaded.anchor, "optimizer": loaded.optimizer,
+            "scheduler": loaded.scheduler}
+
+
 def test_lora_checkpoint_round_trip_is_exact(tiny_model_dir, tokenizer, tmp_path):
     first = lora_trainer(tiny_model_dir, tmp_path)
     batch = scored_batch(tokenizer)
     for iteration in (1, 2):
         first.train_step(batch, iteration)
     state = first.state()
-    assert all(".lora_" in name for name in state["policy"])  # the adapters, not the frozen base
-    path = save_checkpoint(Checkpoint(2, **state, rng={"python": [3, [0], None], "numpy": ["MT19937", [0] * 624, 0, 0,
-                           0.0], "torch": torch.get_rng_state()}, data_cursor={}, config={}), tmp_path / "run")
+    adapters = {name for name in state["policy"] if name != BASE_FINGERPRINT}
+    assert adapters and all(".lora_" in name for name in adapters)  # the adapters, not the frozen base
+    path = save(state, tmp_path / "run")
     adapters_bytes = (path / "policy.safetensors").stat().st_size
     assert adapters_bytes < sum(p.numel() * 4 for p in first.policy.parameters()) / 20
     loaded = load_checkpoint(path)
 
     second = lora_trainer(tiny_model_dir, tmp_path)
     move_adapters(second.policy, torch.Generator().manual_seed(3))  # other adapters, then the checkpoint's
-    second.load_state({"policy": loaded.policy, "anchor": loaded.anchor, "optimizer": loaded.optimizer,
-                       "scheduler": loaded.scheduler})
+    second.load_state(learner_state(loaded))
     for part in ("policy", "anchor"):
         for name, value in state[part].items():
             assert torch.equal(second.state()[part][name], value), name
@@ -208,8 +217,41 @@ def test_lora_and_full_checkpoints_are_not_interchangeable(tiny_model_dir, token
         lora.load_state(full.state())
     with pytest.raises(ValueError, match="holds LoRA adapters but this run has lora.rank=0"):
         full.load_state(lora.state())
-    with pytest.raises(ValueError, match="not supported yet"):
-        lora.init_from(tmp_path)
+
+
+def test_lora_starts_from_a_full_checkpoint_and_resumes_on_that_base_only(tiny_model_dir, tokenizer, tmp_path):
+    """`--init` under LoRA (e.g. from SFT): the checkpoint's weights become the frozen base and the anchor starts
+    there; the run's checkpoints (adapters) are refused on any other base, e.g. `model` itself."""
+    from trainer.checkpoint import load_policy_weights
+
+    full = lora_trainer(tiny_model_dir, tmp_path, "lora.rank=0")
+    batch = scored_batch(tokenizer)
+    full.train_step(batch, iteration=1)  # "SFT": weights away from `model`'s
+    sft = save(full.state(), tmp_path / "sft", iteration=1)
+
+    lora = lora_trainer(tiny_model_dir, tmp_path)
+    lora.init_from(sft)
+    sft_weights = load_policy_weights(sft)
+    merged = lora.policy_state()  # fresh adapters (B = 0): exactly the SFT weights
+    assert merged.keys() == sft_weights.keys()
+    assert all(torch.equal(merged[name], sft_weights[name]) for name in merged)
+    ids = torch.randint(0, len(tokenizer), (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lora.anchor.module(ids).logits, lora.policy(ids).logits)  # the anchor starts at SFT
+    assert all(not p.requires_grad for name, p in lora.policy.named_parameters() if ".lora_" not in name)
+
+    lora.train_step(batch, iteration=1)
+    run = save(lora.state(), tmp_path / "run", iteration=1)
+    on_model = lora_trainer(tiny_model_dir, tmp_path)  # resumed without --init: the base would be `model`
+    with pytest.raises(ValueError, match="trained on another base"):
+        on_model.load_state(learner_state(load_checkpoint(run)))
+    resumed = lora_trainer(tiny_model_dir, tmp_path)
+    resumed.init_from(sft)  # what `emapg train --init sft --resume` does first
+    resumed.load_state(learner_state(load_checkpoint(run)))
+    for name, value in lora.policy_state().items():
+        assert torch.equal(resumed.policy_state()[name], value), name
+    with pytest.raises(ValueError, match="holds LoRA adapters"):
+        resumed.init_from(run)  # a base must be full weights
 
 
 def test_adapters_are_fp32_on_a_bf16_base(tiny_model):

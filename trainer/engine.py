@@ -25,6 +25,7 @@ from trainer.ema import ema_anchor, should_update_ema
 from trainer.lora import (
     apply_lora,
     engine_weights,
+    load_base_weights,
     load_policy_checkpoint_state,
     merged_weights,
     policy_checkpoint_state,
@@ -198,11 +199,10 @@ class PolicyTrainer:
 
     def init_from(self, path: Path) -> None:
         """Start RL from another run's checkpoint or run folder (e.g. SFT): its policy, and the anchor set to it."""
-        if uses_lora(self.policy):  # its checkpoints hold adapters only: a resume would reload `model` as the base
-            raise ValueError("lora.rank > 0 adapts `model`'s own weights; starting from another run's checkpoint "
-                             "(--init) is not supported yet")
         weights = load_policy_weights(path)
-        if self.sharded:
+        if uses_lora(self.policy):  # the frozen base becomes those weights; fresh adapters (B = 0) leave it as it is
+            load_base_weights(self.policy, weights)
+        elif self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_model_state_dict,

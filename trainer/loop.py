@@ -124,11 +124,13 @@ class Trainer:
 
 
 def resume_or_start(trainer: Trainer, resume: bool, init: Path | None) -> None:
+    """Resume from the run's latest checkpoint, or start from `init`'s policy; both when given both: a LoRA run's
+    checkpoints hold its adapters, and its frozen base is `init`'s again (otherwise the checkpoint overwrites it)."""
+    if init is not None:
+        trainer.engine.init_from(init)
     if resume:
         path = latest_checkpoint(trainer.cfg.run_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {trainer.cfg.run_dir / 'checkpoints'}")
         trainer.restore(path)
-    elif init is not None:
-        trainer.engine.init_from(init)
 

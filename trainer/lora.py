@@ -7,8 +7,9 @@ A and B trained; what a rollout engine must be sent; what a checkpoint must hold
 - Engines hold plain models: they are sent merged weights W0 + s B A under the base model's own parameter names
   (one dense matrix per adapted module at sync time). vLLM's own LoRA path would send only the adapters, but it
   computes B A x separately on every token of every rollout; the merged matrices are what sampling needs.
-- Checkpoints hold the adapters, not the frozen base (it is reloaded from `model`); the EMA anchor's state is the
-  dense deltas of trainer.ema.LoraEmaAnchor.
+- Checkpoints hold the adapters, not the frozen base (it is reloaded from `model`, or from `--init`'s full-weight
+  checkpoint such as SFT's), and a fingerprint of that base: adapters are refused on any other base. The EMA anchor's
+  state is the dense deltas of trainer.ema.LoraEmaAnchor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 ADAPTER = "default"  # peft's name for a model's single adapter
+BASE_FINGERPRINT = "lora_base_fingerprint"  # the checkpoint entry naming the base the adapters were trained on
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: list[str], dropout: float) -> nn.Module:
@@ -76,12 +78,50 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     return merged_weights(model, model.named_parameters())
 
 
+def base_fingerprint(model: nn.Module) -> Tensor:
+    """(frozen parameters, 2) float64: each frozen parameter's sum and L2 norm. Cheap (no copy of a weight), and any
+    other base (another model, the base model instead of the SFT checkpoint the run started from) differs by far more
+    than summation order could."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return torch.stack([torch.stack([p.detach().sum(dtype=torch.float64),
+                                     torch.linalg.vector_norm(p.detach(), dtype=torch.float64)]) for p in frozen]).cpu()
+
+
+def load_base_weights(model: nn.Module, weights: Mapping[str, Tensor]) -> None:
+    """Full weights under the plain model's names (e.g. an SFT checkpoint) into a LoRA model's frozen base, in place
+    (the LoRA anchor shares that base, so it follows). The adapters are left as they are."""
+    if any(".lora_" in name for name in weights):
+        raise ValueError("--init under lora.rank > 0 takes a full-weight checkpoint (e.g. SFT's): this one holds LoRA "
+                         "adapters")
+    adapted = tuple(f"{name}." for name, _ in lora_layers(model))
+    own = {name: t for name, t in model.state_dict(keep_vars=True).items() if ".lora_" not in name}
+
+    def lora_name(name: str) -> str:  # x.q_proj.weight -> x.q_proj.base_layer.weight where q_proj is adapted
+        for prefix in adapted:
+            if name.startswith(prefix):
+                return f"{prefix}base_layer.{name[len(prefix):]}"
+        return name
+
+    mapped = {lora_name(name): t for name, t in weights.items()}
+    missing, unexpected = sorted(set(own) - set(mapped)), sorted(set(mapped) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"--init: the checkpoint does not fit `model` (missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]})")
+    with torch.no_grad():
+        for name, param in own.items():
+            if mapped[name].shape != param.shape:
+                raise ValueError(f"--init: {name} is {tuple(mapped[name].shape)} in the checkpoint, "
+                                 f"{tuple(param.shape)} in `model`")
+            param.copy_(mapped[name])
+
+
 def policy_checkpoint_state(model: nn.Module) -> dict[str, Tensor]:
-    """What a checkpoint holds of the policy: the adapters under LoRA (the base is frozen and comes from `model`),
-    else the whole state dict."""
+    """What a checkpoint holds of the policy: under LoRA the adapters and the base's fingerprint (the base is frozen
+    and comes from `model` or `--init`), else the whole state dict."""
     if not uses_lora(model):
         return model.state_dict()
-    return {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
+    adapters = {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
+    return {**adapters, BASE_FINGERPRINT: base_fingerprint(model)}
 
 
 @torch.no_grad()
@@ -94,10 +134,16 @@ def load_policy_checkpoint_state(model: nn.Module, state: Mapping[str, Tensor]) 
         model.load_state_dict(state)
         return
     expected = policy_checkpoint_state(model)
+    fingerprint = expected.pop(BASE_FINGERPRINT)
+    state = dict(state)
+    saved = state.pop(BASE_FINGERPRINT, None)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"LoRA checkpoint mismatch (a full-weight checkpoint, or another lora.rank / "
                          f"target_modules?): missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if saved is None or saved.shape != fingerprint.shape or not torch.allclose(saved, fingerprint, rtol=1e-9, atol=1e-9):
+        raise ValueError("these LoRA adapters were trained on another base than this run's frozen weights: resume "
+                         "with the same `model` and the same --init the run started from")
     for name, param in expected.items():
         if state[name].shape != param.shape:
             raise ValueError(f"LoRA checkpoint mismatch at {name}: saved {tuple(state[name].shape)}, "
