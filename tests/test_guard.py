@@ -5,13 +5,20 @@ exactly the last good state at a lower learning rate (one process, and two DDP/F
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from test_learner import ragged_trajectories
-from test_training import make_trainer, peaked_model, tiny_config, tiny_examples  # noqa: F401 (a fixture)
+from test_training import (  # noqa: F401 (peaked_model: a fixture)
+    make_trainer,
+    peaked_model,
+    peaked_tiny_model,
+    tiny_config,
+    tiny_examples,
+)
 
 from trainer.batch import collate
 from trainer.config import GuardSection, load_config
@@ -324,3 +331,44 @@ def test_a_collapse_with_no_rollback_left_stops_the_run(tmp_path, peaked_model, 
     with pytest.raises(GuardError, match=r"iteration 3: reward .* no rollback left \(1 of guard.max_rollbacks=1"):
         trainer.run()
     assert [e["action"] for e in read_events(cfg.run_dir)] == ["rollback", "stop"]
+
+
+# ---- two ranks: every rank skips the same step ----------------------------------------------------------------------
+
+def guarded_rank(rank: int, strategy: str, vocab: int, init_file: str, out: str) -> None:
+    """One gloo rank (torch.multiprocessing.spawn): the same tiny model and batch on each, a fake NaN advantage in
+    one trajectory, so exactly one rank's micro-batch has a non-finite loss."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        cfg = learner_config("train.prompts_per_iteration=4", "train.mini_batch_size=8", "train.warmup_steps=0",
+                             f"distributed.strategy={strategy}")
+        trainer = PolicyTrainer(cfg, peaked_tiny_model(vocab))  # seeded: the same weights on both ranks
+        before = trainer.policy_state()
+        fake_advantages = torch.linspace(-1.0, 1.0, 8)
+        fake_advantages[5] = NAN
+        warnings: list[str] = []  # what each rank says it skipped, and why
+        handler = logging.Handler()
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logging.getLogger("emapg.guard").addHandler(handler)
+        stats = trainer.train_step(collate(ragged_trajectories(vocab, n=8), fake_advantages, pad_id=0), 1)
+        after = trainer.policy_state()
+        torch.save({"stats": stats, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()),
+                    "in_a_row": trainer.learner.step_guard.in_a_row, "warnings": warnings}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_skips_the_step_a_nan_on_one_rank_spoils(tmp_path, tokenizer, strategy):
+    import torch.multiprocessing as mp
+
+    mp.spawn(guarded_rank, args=(strategy, len(tokenizer), str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for result in ranks:
+        assert result["stats"]["guard_skipped_steps"] == 1 and result["stats"]["optimizer_steps"] == 0
+        assert result["unchanged"] and result["in_a_row"] == 1
+    # Both name the same micro-batch: the rank whose own losses were finite learned of it from the other.
+    assert ranks[0]["warnings"] == ranks[1]["warnings"]
+    assert len(ranks[0]["warnings"]) == 1 and "had a non-finite loss" in ranks[0]["warnings"][0]
