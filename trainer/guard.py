@@ -200,12 +200,12 @@ def read_events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def events_markdown(run_dir: Path) -> list[str]:
+def events_markdown(run_dir: Path, title: str = "Guard") -> list[str]:
     """The run's guard events as report lines: a table, or one line saying there were none."""
     events = read_events(run_dir)
     if not events:
-        return ["Guard: no events (no step skipped, no collapse rule fired)."]
-    lines = ["Guard events:", "", "| iteration | action | rules | restored to | lr scale |", "|---|---|---|---|---|"]
+        return [f"{title}: no events (no step skipped, no collapse rule fired)."]
+    lines = [f"{title} events:", "", "| iteration | action | rules | restored to | lr scale |", "|---|---|---|---|---|"]
     for e in events:
         rules = "; ".join(f"{rule}: {why}" for rule, why in e["rules"].items())
         restored = "" if e["restored_iteration"] is None else e["restored_iteration"]
