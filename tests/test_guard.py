@@ -40,7 +40,7 @@ from trainer.guard import (
 NAN = float("nan")
 
 
-# ---- pure rules on hand-made sequences ------------------------------------------------------------------------------
+# ---- pure rules on hand-made sequences -------------------------------------------------------------------------------
 
 def test_zero_variance_share_counts_groups_whose_rewards_are_all_equal():
     rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
@@ -143,7 +143,7 @@ def test_scale_learning_rate_equals_a_schedule_built_at_the_lower_rate():
     assert lrs[-1] == pytest.approx(0.25e-3)
 
 
-# ---- the learner on a real tiny model ---------------------------------------------------------------------------------
+# ---- the learner on a real tiny model --------------------------------------------------------------------------------
 
 def learner_config(*overrides: str):
     return load_config(overrides=[
@@ -230,7 +230,7 @@ def test_guard_off_steps_the_nan_into_the_weights(tiny_model, tokenizer):
     assert not all(torch.isfinite(p).all() for p in trainer.policy.parameters())
 
 
-# ---- the training loop: N skips in a row, rollback ---------------------------------------------------------------
+# ---- the training loop: N skips in a row, rollback -------------------------------------------------------------------
 
 def small_run(tmp_path, *overrides):
     return tiny_config(tmp_path, "train.prompts_per_iteration=4", "train.rollouts_per_prompt=4",
@@ -333,7 +333,7 @@ def test_a_collapse_with_no_rollback_left_stops_the_run(tmp_path, peaked_model, 
     assert [e["action"] for e in read_events(cfg.run_dir)] == ["rollback", "stop"]
 
 
-# ---- two ranks: every rank skips the same step ----------------------------------------------------------------------
+# ---- two ranks: every rank skips the same step -----------------------------------------------------------------------
 
 def guarded_rank(rank: int, strategy: str, vocab: int, init_file: str, out: str) -> None:
     """One gloo rank (torch.multiprocessing.spawn): the same tiny model and batch on each, a fake NaN advantage in

@@ -39,7 +39,7 @@ class GuardError(RuntimeError):
     """The guard stopped the run: too many non-finite steps in a row, or a collapse with no rollback left."""
 
 
-# ---- pure functions: signals and rules -------------------------------------------------------------------------
+# ---- pure functions: signals and rules -------------------------------------------------------------------------------
 
 def zero_variance_share(rewards: Sequence[float], group_ids: Sequence[str]) -> float:
     """Share of groups whose rewards are all equal: GRPO gives every member advantage 0, so they teach nothing."""
@@ -82,7 +82,7 @@ def bounds_rule(name: str, value: float | None, low: float | None = None, high: 
 
 
 def collapse_rules(metrics: dict[str, float], iteration: int, cfg: GuardSection) -> dict[str, str]:
-    """The rules that fire on one iteration's metrics (with the guard's `reward_smoothed`, `reward_peak`): name -> why."""
+    """The rules that fire on one iteration's metrics (and the guard's reward_smoothed, reward_peak): rule -> why."""
     fired = {
         "nonfinite": nonfinite_rule(metrics),
         "reward_collapse": reward_collapse_rule(metrics["reward_smoothed"], metrics["reward_peak"], iteration, cfg)
@@ -107,7 +107,7 @@ def scale_learning_rate(optimizer: dict[str, Any], scheduler: dict[str, Any], fa
     scheduler["_last_lr"] = [lr * factor for lr in scheduler["_last_lr"]]
 
 
-# ---- orchestration -------------------------------------------------------------------------------------------------
+# ---- orchestration ---------------------------------------------------------------------------------------------------
 
 class StepGuard:
     """The learner's per-optimizer-step check, with the count of skipped steps in a row (across iterations)."""
