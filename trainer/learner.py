@@ -3,6 +3,7 @@
     prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
+              a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.guard)
     then the caller applies the EMA anchor update on its period.
 """
 
