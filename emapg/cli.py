@@ -430,6 +430,7 @@ def train(
     from emapg.workflow import connect_retriever, print_iteration
     from trainer.checkpoint import CheckpointError
     from trainer.engine import LocalEngine, rollout_backend
+    from trainer.guard import GuardError, events_markdown
     from trainer.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
@@ -458,10 +459,14 @@ def train(
                 resume_or_start(trainer, resume, init)
             except (CheckpointError, FileNotFoundError, ValueError) as e:
                 _fail(str(e))
-            trainer.run(progress=print_iteration)
+            try:
+                trainer.run(progress=print_iteration)
+            except GuardError as e:
+                _fail(f"{e} (events: {trainer.guard.events_path})")
         finally:
             close()
-    console.print(f"done: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/)")
+    console.print("\n".join(events_markdown(cfg.run_dir)))
+    console.print(f"done: {cfg.run_dir} (metrics.jsonl, guard_events.jsonl, tb/, checkpoints/)")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

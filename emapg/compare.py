@@ -136,6 +136,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.engine import rollout_backend
+    from trainer.guard import events_markdown, read_events
 
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -176,8 +177,12 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
             tail = f"{sum(m['reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
             lines.append(f"| {name} | {iteration} | {p['em']:.3f} | {p['em_low']:.3f}-{p['em_high']:.3f} | "
                          f"{p['well_formed']:.2f} | {tail} |")
+    runs = {name: variant_config(cfg, name).run_dir for name in VARIANTS}
+    for name, run_dir in runs.items():
+        lines += ["", *events_markdown(run_dir, title=f"{name} guard")]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
-    (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out}, indent=2))
+    (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out, "guard_events": {
+        name: read_events(run_dir) for name, run_dir in runs.items()}}, indent=2))
     plot(curves, held_out, out / "compare.png")
     print("\n".join(lines))
     return out / "compare.md"

@@ -113,6 +113,7 @@ def plot_stages(stages: dict[str, EvalReport], path: Path) -> None:
 def run_demo(cfg) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.engine import LocalEngine, rollout_backend
+    from trainer.guard import events_markdown, read_events
     from trainer.loop import Trainer
 
     out = cfg.run_dir
@@ -163,11 +164,11 @@ def run_demo(cfg) -> Path:
             backend.close()
     timings["total"] = time.perf_counter() - begin
 
-    markdown = report_markdown(stages, timings, subset)
+    markdown = report_markdown(stages, timings, subset) + "\n" + "\n".join(events_markdown(out)) + "\n"
     (out / "report.md").write_text(markdown)
     (out / "report.json").write_text(json.dumps(
         {"stages": {name: pooled(r) for name, r in stages.items()}, "timings_s": timings,
-         "config": cfg.model_dump(mode="json")}, indent=2))
+         "guard_events": read_events(out), "config": cfg.model_dump(mode="json")}, indent=2))
     plot_curves(read_jsonl(out / "metrics.jsonl"), read_jsonl(cfg.sft_dir / "metrics.jsonl"), out / "curves.png")
     plot_stages(stages, out / "em.png")
     print(markdown)

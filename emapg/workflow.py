@@ -156,11 +156,14 @@ def run_sft(cfg, policy, tokenizer, demos) -> Path:
 
 
 def print_iteration(iteration: int, m: dict) -> None:
+    # The learning stats are missing when the guard skipped every optimizer step of the iteration.
+    learned = {key: m.get(key, float("nan")) for key in ("clip_fraction", "entropy", "grad_norm")}
+    skipped = f"  skipped steps {m['guard_skipped_steps']:.0f}" if m.get("guard_skipped_steps") else ""
     console.print(
         f"iter {iteration:>4}  reward {m['reward']:.3f}  em {m['em']:.3f}  format {m['format']:.2f}  "
-        f"kl {m.get('kl', 0):.4f}  clip {m['clip_fraction']:.3f}  entropy {m['entropy']:.2f}  "
-        f"grad {m['grad_norm']:.2f}  len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
-        f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s"
+        f"kl {m.get('kl', 0):.4f}  clip {learned['clip_fraction']:.3f}  entropy {learned['entropy']:.2f}  "
+        f"grad {learned['grad_norm']:.2f}  len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
+        f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s{skipped}"
     )
 
 

@@ -221,6 +221,7 @@ def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_mod
         metrics = (out / name.lower() / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["iteration"] for line in metrics] == [1, 2]
     assert (out / "compare.png").is_file() and "| EMA-PG | 2 |" in (out / "compare.md").read_text()
+    assert all(f"{name} guard" in (out / "compare.md").read_text() for name in ("GRPO", "EMA-PG"))  # its events
     # Given a running retriever, compare builds no index of its own (it used to build the full packaged one).
     assert not list(tmp_path.rglob("*.building")) and not (tmp_path / "artifacts" / "indexes").exists()
     assert "building the" not in first.stdout + again.stdout

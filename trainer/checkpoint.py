@@ -12,7 +12,7 @@ import hashlib
 import json
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ class Checkpoint:
     rng: dict[str, Any]
     data_cursor: dict[str, Any]  # where the prompt sampler is (epoch, position, permutation seed)
     config: dict[str, Any]  # the run's TrainConfig, as JSON-able dict
+    guard: dict[str, Any] = field(default_factory=dict)  # trainer.guard.Guard's state (reward window, rollbacks)
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,7 +87,8 @@ def save_checkpoint(ckpt: Checkpoint, run_dir: Path, keep: int = 2) -> Path:
     )
     python_rng = {k: v for k, v in ckpt.rng.items() if k != "torch"}
     (tmp / "state.json").write_text(json.dumps(
-        {"iteration": ckpt.iteration, "data_cursor": ckpt.data_cursor, "config": ckpt.config, "rng": python_rng},
+        {"iteration": ckpt.iteration, "data_cursor": ckpt.data_cursor, "config": ckpt.config, "rng": python_rng,
+         "guard": ckpt.guard},
         default=str,
     ))
     files = sorted(p.name for p in tmp.iterdir())
@@ -162,6 +164,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         rng={**state["rng"], "torch": trainer_state["torch_rng"]},
         data_cursor=state["data_cursor"],
         config=state["config"],
+        guard=state.get("guard", {}),  # checkpoints from before the guard have none
     )
 
 

@@ -169,6 +169,33 @@ class CheckpointSection(Section):
     keep: int = Field(2, ge=1)
 
 
+class GuardSection(Section):
+    """The training-health guard (trainer/guard.py). Non-finite steps are always skipped while it is on; the collapse
+    rules below are checked every iteration (None turns one off). The defaults fire on NaNs and on clear collapses
+    only, never on a healthy CPU demo or compare run (their per-iteration reward swings 0.09-0.52, entropy ~0.25)."""
+
+    enabled: bool = True  # off: no step checks, no signals, no rules (the trainer as it was)
+    # An optimizer step whose micro-batch loss or gradient norm is non-finite is skipped (no AdamW or scheduler step);
+    # this many skipped steps in a row stop the run with an error naming the iteration and micro-batch.
+    max_consecutive_skips: int = Field(3, ge=1)
+    warmup_iterations: int = Field(10, ge=0)  # the reward rule waits this many iterations
+    reward_window: int = Field(5, ge=1)  # iterations in the trailing mean of the reward
+    # Collapse: the smoothed reward falls below this fraction of its running peak (after warm-up, once the peak
+    # reached min_reward_peak: a run that never learned has nothing to collapse from).
+    reward_drop: float | None = Field(0.2, gt=0, lt=1)
+    min_reward_peak: float = Field(0.05, ge=0)
+    entropy_min: float | None = Field(None, ge=0)  # nats per model token
+    entropy_max: float | None = Field(6.0, gt=0)  # blow-up: a 135M-3B policy samples at ~0.2-2 nats per token
+    kl_max: float | None = Field(None, gt=0)  # KL to the anchor, per token
+    clip_fraction_max: float | None = Field(None, gt=0, le=1)
+    zero_variance_max: float | None = Field(None, gt=0, le=1)  # share of groups whose G rewards are all equal
+    # When a rule fires: False logs a warning event and goes on; True restores the latest checkpoint (every saved
+    # one passed the rules) with the learning rate x lr_decay, at most max_rollbacks times, then stops the run.
+    rollback: bool = False
+    lr_decay: float = Field(0.5, gt=0, le=1)
+    max_rollbacks: int = Field(2, ge=0)
+
+
 class TrainConfig(Section):
     name: str = "run"
     model: str = "smollm2-135m-instruct"
@@ -190,6 +217,7 @@ class TrainConfig(Section):
     sft: SFTSection = SFTSection()
     distributed: DistributedSection = DistributedSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    guard: GuardSection = GuardSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

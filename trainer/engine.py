@@ -121,11 +121,11 @@ class PolicyTrainer:
         self.scheduler = get_constant_schedule_with_warmup(self.optimizer, t.warmup_steps)
         self.parameter_names = [name for name, _ in trained]  # the optimizer's parameter order
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
-                               cfg.autocast, **logits)
+                               cfg.autocast, guard=cfg.guard, **logits)
 
     def train_step(self, batch: RolloutBatch, iteration: int) -> dict[str, float]:
         """learner.prepare (pi_old, anchor top-k), learner.update (PPO epochs, AdamW), then the EMA anchor update on
-        its period; returns the update's stats and timings."""
+        its period (if the update took a step); returns the update's stats and timings."""
         cfg = self.cfg
         batch = batch.to(next(self.policy.parameters()).device)
         start = time.perf_counter()
@@ -133,10 +133,11 @@ class PolicyTrainer:
         timings = {"time_prepare_s": time.perf_counter() - start}
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
-        stats = self.learner.update(batch, generator)
+        stats = self.learner.update(batch, generator, iteration)
         timings["time_update_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        if should_update_ema(iteration, cfg.ema.period):
+        # The anchor averages the policies the updates made: an update whose every step the guard skipped made none.
+        if should_update_ema(iteration, cfg.ema.period) and stats["optimizer_steps"]:
             self.anchor.update(self.policy, cfg.ema.tau)
         timings["time_ema_s"] = time.perf_counter() - start
         return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}

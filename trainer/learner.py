@@ -3,11 +3,13 @@
     prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
+              a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.guard)
     then the caller applies the EMA anchor update on its period.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from contextlib import nullcontext
 
@@ -17,8 +19,9 @@ from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
 from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
-from trainer.config import KLSection, TrainSection
+from trainer.config import GuardSection, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
+from trainer.guard import StepGuard
 from trainer.kl import sampled_kl, topk_kl_from_logprobs
 from trainer.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
@@ -69,6 +72,7 @@ class Learner:
     def __init__(
         self, policy, anchor: EmaAnchor | LoraEmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
         temperature: float = 1.0, autocast_kind: str = "none", policy_logits=None, anchor_logits=None,
+        guard: GuardSection | None = None,
     ):
         self.policy = policy
         self.optimizer = optimizer
@@ -78,6 +82,8 @@ class Learner:
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
         self.autocast_kind = autocast_kind
+        guard = guard or GuardSection()
+        self.step_guard = StepGuard(guard.max_consecutive_skips) if guard.enabled else None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
         self.policy_logits = policy_logits or ResponseLogprobs(policy, self.temperature)
@@ -108,6 +114,17 @@ class Learner:
         elif self.distributed and not enabled:
             return self.policy_logits.no_sync()
         return nullcontext()
+
+    def first_bad_micro_batch(self, mine: int | None) -> int | None:
+        """The first micro-batch of the mini-batch with a non-finite loss on any rank (`mine`: this rank's), so that
+        every rank skips the same steps."""
+        if not self.distributed:
+            return mine
+        sentinel = torch.iinfo(torch.int64).max
+        # On the model's device: NCCL reduces only GPU tensors.
+        first = torch.tensor([sentinel if mine is None else mine], device=next(self.policy.parameters()).device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        return None if int(first) == sentinel else int(first)
 
     def my_share(self, micro_rows: list) -> list:
         """This rank's micro-batches: every world_size-th (they are length-sorted, so ranks get similar work)."""
@@ -205,13 +222,15 @@ class Learner:
         (loss * weight * self.world_size).backward()
         return {k: v * weight for k, v in out.items()}
 
-    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
+    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
+               iteration: int = 0) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; returns stats averaged over the optimizer steps taken. With the guard
+        on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
         assert batch.old_logprobs is not None, "call prepare() first"
         self.policy.train()
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
-        steps = 0
+        steps = skipped = 0
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini_rows in micro_batches(order, self.train.mini_batch_size):
@@ -222,15 +241,29 @@ class Learner:
                 micro_rows = micro_batches(mini.response_lengths().argsort(), self.train.micro_batch_size)
                 shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
                 mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
+                micro_totals: dict[str, float] = defaultdict(float)  # this step's; kept only if the step is taken
+                bad_micro_batch = None  # this rank's first micro-batch (index in the mini-batch) with a non-finite loss
                 for i, (rows, weight) in enumerate(mine):
                     if weight == 0.0 and not self.distributed:  # DDP/FSDP need every rank's backward passes
                         continue
                     with self.gradient_sync(enabled=i == len(mine) - 1):
-                        for key, value in self.micro_loss(mini.select(rows), weight).items():
-                            totals[key] += value
+                        micro_stats = self.micro_loss(mini.select(rows), weight)
+                    if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
+                        bad_micro_batch = self.rank + i * self.world_size
+                    for key, value in micro_stats.items():
+                        micro_totals[key] += value
+                # After the all-reduce (DDP/FSDP): the same norm on every rank.
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
                     grad_norm = grad_norm.full_tensor()
+                if self.step_guard is not None and self.step_guard.skip(
+                        self.first_bad_micro_batch(bad_micro_batch), float(grad_norm),
+                        f"iteration {iteration}, optimizer step {steps + skipped + 1}"):
+                    self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches weights or moments
+                    skipped += 1
+                    continue
+                for key, value in micro_totals.items():
+                    totals[key] += value
                 step_totals["grad_norm"] += float(grad_norm)
                 step_totals["lr"] += self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
@@ -250,4 +283,5 @@ class Learner:
         stats["sampler_trainer_logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
         stats["sampler_trainer_logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         stats["optimizer_steps"] = steps
+        stats["guard_skipped_steps"] = skipped
         return stats

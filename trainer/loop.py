@@ -6,7 +6,9 @@ Per iteration:
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
     3. rewards (EM, + optional format bonus) -> GRPO advantages per group (group id = example id)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
-    5. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations
+    5. the guard (trainer.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
+       checkpoint at a lower learning rate (guard.rollback)
+    6. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations (not one that was rolled back)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import TrainConfig
 from trainer.engine import Engine
+from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate, zero_variance_share
 from trainer.reward import reward
 
 RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
@@ -53,6 +56,7 @@ def rollout_metrics(trajs: list[Trajectory], scores: list[tuple[float, float, fl
         "turns": total_turns / n,
         "invalid_action_rate": sum(t.num_invalid for t in trajs) / max(1, total_turns),
         "loss_mask_coverage": sum(t.model_tokens for t in trajs) / max(1, mask_tokens),
+        "zero_variance_groups": zero_variance_share([s[0] for s in scores], [t.group_id for t in trajs]),
     }
 
 
@@ -68,19 +72,45 @@ class Trainer:
         self.sampler = PromptSampler(examples, cfg.seed)
         self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
         self.iteration = 0
+        self.guard = Guard(cfg.guard, cfg.run_dir)
 
     def state(self) -> Checkpoint:
         return Checkpoint(iteration=self.iteration, **self.engine.state(), rng=rng_state(),
-                          data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"))
+                          data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"),
+                          guard=self.guard.state_dict())
 
-    def restore(self, path: Path) -> None:
+    def restore(self, path: Path, lr_scale: float | None = None) -> None:
+        """Everything a checkpoint holds; with `lr_scale`, the learning rate set to that multiple of the configured
+        one (a rollback: the checkpoint's own scale is in its guard state)."""
         ckpt = load_checkpoint(path)
         check_compatible(ckpt.config, self.cfg.model_dump(mode="json"), keys=("model", "seed"))
+        if lr_scale is not None:
+            scale_learning_rate(ckpt.optimizer, ckpt.scheduler, lr_scale / ckpt.guard.get("lr_scale", 1.0))
         self.engine.load_state({"policy": ckpt.policy, "anchor": ckpt.anchor, "optimizer": ckpt.optimizer,
                                 "scheduler": ckpt.scheduler})
         self.sampler.restore(ckpt.data_cursor)
         set_rng_state(ckpt.rng)
         self.iteration = ckpt.iteration
+        self.guard.load_state_dict(ckpt.guard)
+
+    def roll_back(self) -> None:
+        """To the latest checkpoint (each passed the rules when saved), with the learning rate x guard.lr_decay; the
+        count of rollbacks and the lowered rate outlive the restore."""
+        rollbacks, lr_scale = self.guard.rollbacks + 1, self.guard.lr_scale * self.cfg.guard.lr_decay
+        self.restore(latest_checkpoint(self.cfg.run_dir), lr_scale=lr_scale)
+        self.guard.rollbacks, self.guard.lr_scale = rollbacks, lr_scale
+
+    def after_collapse(self, iteration: int, fired: dict[str, str]) -> None:
+        """A collapse rule fired at `iteration`: warn, roll back, or stop the run (GuardError)."""
+        action = self.guard.action(have_checkpoint=latest_checkpoint(self.cfg.run_dir) is not None)
+        if action == "rollback":
+            self.roll_back()
+            self.guard.record(GuardEvent(iteration, action, fired, self.iteration, self.guard.lr_scale))
+            return
+        self.guard.record(GuardEvent(iteration, action, fired))
+        if action == "stop":
+            raise GuardError(f"guard: at iteration {iteration}: {'; '.join(fired.values())}; no rollback left "
+                             f"({self.guard.rollbacks} of guard.max_rollbacks={self.cfg.guard.max_rollbacks} used)")
 
     def step(self) -> dict[str, float]:
         """One iteration; returns its metrics."""
@@ -109,15 +139,23 @@ class Trainer:
         logger = RunLogger(self.cfg.run_dir)
         history = []
         stop = min(until or self.cfg.train.iterations, self.cfg.train.iterations)
+        if self.cfg.guard.rollback and latest_checkpoint(self.cfg.run_dir) is None:
+            save_checkpoint(self.state(), self.cfg.run_dir, keep=self.cfg.checkpoint.keep)  # the start: a good state
         try:
             while self.iteration < stop:
                 metrics = self.step()
-                logger.log(self.iteration, metrics)
+                iteration = self.iteration
+                fired = self.guard.observe(iteration, metrics)
+                logger.log(iteration, metrics)
                 history.append(metrics)
-                if self.iteration % self.cfg.checkpoint.every == 0 or self.iteration == self.cfg.train.iterations:
+                if fired:
+                    self.after_collapse(iteration, fired)
+                rolled_back = self.iteration != iteration  # with guard.rollback, every checkpoint passed the rules
+                if not rolled_back and (iteration % self.cfg.checkpoint.every == 0
+                                        or iteration == self.cfg.train.iterations):
                     save_checkpoint(self.state(), self.cfg.run_dir, keep=self.cfg.checkpoint.keep)
                 if progress:  # after the checkpoint: what it reports is already on disk
-                    progress(self.iteration, metrics)
+                    progress(iteration, metrics)
         finally:
             logger.close()
         return history
