@@ -17,11 +17,12 @@ from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
 from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
-from trainer.config import KLSection, TrainSection
+from trainer.config import KL_OFF, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
-from trainer.kl import sampled_kl, topk_kl_from_logprobs
+from trainer.kl import KLInputs
 from trainer.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
+from trainer.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 
 def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
@@ -31,10 +32,8 @@ def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
 def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation: str = "token-mean") -> list[float]:
     """Each micro-batch's share of the mini-batch mean (its tokens, or its sequences, over the mini-batch's), so
     that accumulating share x micro-batch mean gives exactly the gradient of the whole mini-batch's mean."""
-    if aggregation == "token-mean":
-        counts = [float(loss_mask[r].sum()) for r in micro_rows]
-    else:
-        counts = [float((loss_mask[r].sum(-1) > 0).sum()) for r in micro_rows]
+    count = LOSS_AGGREGATIONS.get(aggregation).count
+    counts = [float(count(loss_mask[r])) for r in micro_rows]
     total = sum(counts)
     return [c / total if total else 0.0 for c in counts]
 
@@ -75,6 +74,7 @@ class Learner:
         self.scheduler = scheduler
         self.train = train
         self.kl = kl
+        self.kl_estimator = None if kl.estimator == KL_OFF else KL_ESTIMATORS.get(kl.estimator)
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
         self.autocast_kind = autocast_kind
@@ -155,30 +155,30 @@ class Learner:
             self.policy_logits.reshard()
             self.anchor_logits.reshard()
 
-    def kl_per_token(self, stats: TokenLogprobs, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
+    def kl_per_token(self, stats: TokenLogprobs, mb: RolloutBatch) -> Tensor:
         """(N, T) per-token KL estimate from the policy's packed statistics (`micro_loss` asked for what the
-        estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
-        mask = mb.loss_mask
-        old = mb.old_logprobs if self.kl.importance_weight else None
-        if self.kl.estimator == "topk":
-            kl = topk_kl_from_logprobs(
-                stats.logprobs[:, :-1], stats.logprobs[:, -1], mb.ref_topk_logprobs[mask], mb.ref_token_logprob[mask],
-                mb.topk_ids[mask], mb.response_ids[mask], direction=self.kl.direction,
-                old_token_logprob=None if old is None else old[mask], iw_clip=self.kl.iw_clip,
-            )
-            return scatter_tokens(kl, mask)
-        if self.kl.estimator == "exact":
-            return scatter_tokens(stats.kl, mask)
-        return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
+        registered estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
+        mask, reads = mb.loss_mask, self.kl_estimator.reads
+        inputs = KLInputs(
+            token_logprob=stats.logprobs[:, -1], ref_token_logprob=mb.ref_token_logprob[mask],
+            tokens=mb.response_ids[mask], direction=self.kl.direction,
+            old_token_logprob=mb.old_logprobs[mask] if self.kl.importance_weight else None, iw_clip=self.kl.iw_clip,
+            head_logprobs=stats.logprobs[:, :-1] if reads == "topk" else None,
+            topk_ids=mb.topk_ids[mask] if reads == "topk" else None,
+            ref_topk_logprobs=mb.ref_topk_logprobs[mask] if reads == "topk" else None,
+            exact_kl=stats.kl if reads == "exact" else None,
+        )
+        return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
     def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
         mask = mb.loss_mask
-        ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for that estimator
-        if self.kl.estimator == "topk":
+        reads = self.kl_estimator.reads if self.kl_estimator else None
+        ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for estimators reading them
+        if reads == "topk":
             ids = torch.cat([mb.topk_ids[mask], ids], dim=-1)
         reference = None
-        if self.kl.estimator == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
+        if reads == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
             with torch.no_grad():
                 reference = (self.token_stats(mb, anchor=True), self.anchor_logits.model.get_output_embeddings())
         # Entropy is always logged; it carries gradient only when it is in the loss.
@@ -192,8 +192,8 @@ class Learner:
         )
         loss = pg_loss
         out = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
-        if self.kl.estimator != "none":
-            kl = masked_mean(self.kl_per_token(stats, token_logprob, mb), mask, self.train.aggregation)
+        if self.kl_estimator is not None:
+            kl = masked_mean(self.kl_per_token(stats, mb), mask, self.train.aggregation)
             loss = loss + self.kl.beta * kl
             out["kl"] = float(kl.detach())
         entropy = masked_mean(scatter_tokens(stats.entropy, mask), mask, self.train.aggregation)

@@ -4,7 +4,7 @@ Per iteration:
     0. weight sync: an engine with its own copy of the weights (vLLM) gets the policy's, in place
     1. sample B prompts (a seeded permutation per epoch; the cursor is checkpointed)
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
-    3. rewards (EM, + optional format bonus) -> GRPO advantages per group (group id = example id)
+    3. rewards (EM, + optional format bonus) -> advantages per group (group id = example id; `train.advantage`)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
     5. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations
 """
@@ -20,7 +20,6 @@ import torch
 from agent.backend import SamplingParams
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
-from trainer.advantages import grpo_advantages
 from trainer.batch import collate
 from trainer.bookkeeping import PromptSampler, RunLogger
 from trainer.checkpoint import (
@@ -34,6 +33,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import TrainConfig
 from trainer.engine import Engine
+from trainer.registry import ADVANTAGE_ESTIMATORS
 from trainer.reward import reward
 
 RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
@@ -97,8 +97,9 @@ class Trainer:
         timings["time_rollout_s"] = time.perf_counter() - start
 
         scores = [self.reward_fn(traj) for traj in trajs]
-        advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
-                                     normalize_std=t.normalize_adv_std)
+        advantage_estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
+        advantages = advantage_estimator(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
+                                         normalize_std=t.normalize_adv_std)
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
         # rollout_retrieval_wait_s is part of time_rollout_s (time_* are the iteration's phases)
