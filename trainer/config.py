@@ -193,6 +193,20 @@ class DistributedSection(Section):
     gpus_per_learner_rank: float = Field(0.0, ge=0)
 
 
+class WandbSection(Section):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (trainer/wandb_logger.py). offline: everything is
+    written under the run folder (<run>/wandb/), no network; `wandb sync <run>/wandb/offline-run-*` uploads it later."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "emapg"
+    entity: str | None = None  # the W&B user or team; None: the logged-in user's default
+    tags: list[str] = []
+
+
+class LoggingSection(Section):
+    wandb: WandbSection = WandbSection()
+
+
 class CheckpointSection(Section):
     every: int = Field(10, ge=1)  # iterations
     keep: int = Field(2, ge=1)
@@ -219,6 +233,7 @@ class TrainConfig(Section):
     sft: SFTSection = SFTSection()
     distributed: DistributedSection = DistributedSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

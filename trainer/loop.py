@@ -6,7 +6,7 @@ Per iteration:
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
     3. rewards (EM, + optional format bonus) -> advantages per group (group id = example id; `train.advantage`)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
-    5. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations
+    5. log (JSONL + TensorBoard, and W&B when `logging.wandb.mode` is not disabled), checkpoint every `checkpoint.every` iterations
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Trainer:
 
     def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
         """Train to iteration `until` (default: the configured total), so a caller can pause to evaluate."""
-        logger = RunLogger(self.cfg.run_dir)
+        logger = RunLogger(self.cfg.run_dir, self.cfg, job_type="rl")
         history = []
         stop = min(until or self.cfg.train.iterations, self.cfg.train.iterations)
         try:
