@@ -34,19 +34,19 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.engine import Engine
 from trainer.registry import ADVANTAGE_ESTIMATORS
-from trainer.reward import reward
+from trainer.reward import Score, reward
 
-RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
+RewardFn = Callable[[Trajectory], Score]
 
 
-def rollout_metrics(trajs: list[Trajectory], scores: list[tuple[float, float, float]]) -> dict[str, float]:
+def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, float]:
     n = len(trajs)
     total_turns = sum(len(t.turns) for t in trajs)
     mask_tokens = sum(len(t.loss_mask) for t in trajs)
     return {
-        "reward": sum(s[0] for s in scores) / n,
-        "em": sum(s[1] for s in scores) / n,
-        "format": sum(s[2] for s in scores) / n,
+        "reward": sum(s.reward for s in scores) / n,
+        "em": sum(s.em for s in scores) / n,
+        "format": sum(s.format for s in scores) / n,
         "response_tokens": sum(t.model_tokens for t in trajs) / n,
         "observation_tokens": sum(t.observation_tokens for t in trajs) / n,
         "searches": sum(t.num_searches for t in trajs) / n,
@@ -97,8 +97,11 @@ class Trainer:
         timings["time_rollout_s"] = time.perf_counter() - start
 
         scores = [self.reward_fn(traj) for traj in trajs]
+        if not all(isinstance(s, Score) for s in scores):
+            wrong = next(s for s in scores if not isinstance(s, Score))
+            raise TypeError(f"reward_fn must return trainer.reward.Score(reward, em, format), got {wrong!r}")
         advantage_estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
-        advantages = advantage_estimator(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
+        advantages = advantage_estimator(torch.tensor([s.reward for s in scores]), [traj.group_id for traj in trajs],
                                          normalize_std=t.normalize_adv_std)
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
