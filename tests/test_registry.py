@@ -33,7 +33,7 @@ def test_an_estimator_registered_in_a_test_module_is_usable_by_name(tiny_model, 
     model = copy.deepcopy(tiny_model)
     learner = make_learner(model, 3, "token-mean", "test-squared-log-ratio", "kl.importance_weight=false")
     batch = collate(trajs, advantages, tokenizer.pad_token_id)
-    learner.prepare(batch)
+    batch = learner.prepare(batch)
     stats = learner.update(batch, torch.Generator().manual_seed(0))
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
 

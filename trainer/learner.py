@@ -1,6 +1,7 @@
 """The learner: one EMA-PG update from a batch of scored trajectories.
 
-    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids
+    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids: a new,
+              PreparedBatch (the RolloutBatch is left as it was)
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
     then the caller applies the EMA anchor update on its period.
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
+from trainer.batch import PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
 from trainer.config import KL_OFF, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.kl import KLInputs
@@ -114,17 +116,17 @@ class Learner:
         return micro_rows[self.rank :: self.world_size]
 
     @torch.no_grad()
-    def prepare(self, batch: RolloutBatch) -> None:
-        """Fill in pi_old's token log-probs and the anchor's values at the top-k ids, micro-batch by micro-batch:
-        k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of tokens' logits
-        (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
+    def prepare(self, batch: RolloutBatch) -> PreparedBatch:
+        """The batch with pi_old's token log-probs and the anchor's values at the top-k ids, computed micro-batch by
+        micro-batch: k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of
+        tokens' logits (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
         k, direction = self.kl.topk, self.kl.direction
         n, width = batch.response_ids.shape
         device = batch.response_ids.device
-        batch.old_logprobs = torch.zeros(n, width, device=device)
-        batch.topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
-        batch.ref_topk_logprobs = torch.zeros(n, width, k, device=device)
-        batch.ref_token_logprob = torch.zeros(n, width, device=device)
+        old_logprobs = torch.zeros(n, width, device=device)
+        topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
+        ref_topk_logprobs = torch.zeros(n, width, k, device=device)
+        ref_token_logprob = torch.zeros(n, width, device=device)
         self.policy.eval()
         for rows in self.my_share(micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
@@ -139,14 +141,17 @@ class Learner:
                 anchor = self.token_stats(mb, tokens, anchor=True, topk=k)
                 top, ref_topk, ref_token = anchor.topk_ids, anchor.topk_logprobs, anchor.logprobs[:, 0]
                 policy = self.token_stats(mb, tokens)
-            batch.old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
-            batch.topk_ids[rows, :w] = scatter_tokens(top, mask)
-            batch.ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
-            batch.ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
+            old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
+            topk_ids[rows, :w] = scatter_tokens(top, mask)
+            ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
+            ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
         if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
-            for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
+            for values in (old_logprobs, topk_ids, ref_topk_logprobs, ref_token_logprob):
                 dist.all_reduce(values)
         self.reshard()
+        rollout = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}  # a PreparedBatch's are replaced
+        return PreparedBatch(**rollout, old_logprobs=old_logprobs, topk_ids=topk_ids,
+                             ref_topk_logprobs=ref_topk_logprobs, ref_token_logprob=ref_token_logprob)
 
     def reshard(self) -> None:
         """FSDP keeps a root's weights gathered after a forward pass with no backward (the root expects one next):
@@ -155,7 +160,7 @@ class Learner:
             self.policy_logits.reshard()
             self.anchor_logits.reshard()
 
-    def kl_per_token(self, stats: TokenLogprobs, mb: RolloutBatch) -> Tensor:
+    def kl_per_token(self, stats: TokenLogprobs, mb: PreparedBatch) -> Tensor:
         """(N, T) per-token KL estimate from the policy's packed statistics (`micro_loss` asked for what the
         registered estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
         mask, reads = mb.loss_mask, self.kl_estimator.reads
@@ -170,7 +175,7 @@ class Learner:
         )
         return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
-    def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
+    def micro_loss(self, mb: PreparedBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
         mask = mb.loss_mask
         reads = self.kl_estimator.reads if self.kl_estimator else None
@@ -205,9 +210,10 @@ class Learner:
         (loss * weight * self.world_size).backward()
         return {k: v * weight for k, v in out.items()}
 
-    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; returns stats averaged over optimizer steps."""
-        assert batch.old_logprobs is not None, "call prepare() first"
+    def update(self, batch: PreparedBatch, generator: torch.Generator | None = None) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches of prepare()'s batch; returns stats averaged over optimizer steps."""
+        if not isinstance(batch, PreparedBatch):
+            raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
