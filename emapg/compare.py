@@ -136,7 +136,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.engine import rollout_backend
-    from trainer.wandb_logger import attach_reports
+    from trainer.wandb_logger import attach_run_reports
 
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out}, indent=2))
     plot(curves, held_out, out / "compare.png")
-    attach_reports(cfg, [out / name for name in ("compare.md", "compare.json", "compare.png")]
-                   + sorted(out.glob("**/eval-*/report.*")) + sorted(out.glob("**/eval-*/em.png")))
+    attach_run_reports(cfg, [out / name for name in ("compare.md", "compare.json", "compare.png")]
+                       + sorted(out.glob("**/eval-*/report.*")) + sorted(out.glob("**/eval-*/em.png")))
     print("\n".join(lines))
     return out / "compare.md"

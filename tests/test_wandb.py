@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def read_records(path: Path) -> list:
         if length == 0 and kind == 0:  # zero padding at the end of a block
             offset += room
             continue
+        if offset + HEADER.size + length > len(data):  # the writer is still appending this one
+            break
         payload = data[offset + HEADER.size : offset + HEADER.size + length]
         assert zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF == crc, f"bad crc at {offset}"
         offset += HEADER.size + length
@@ -45,9 +48,21 @@ def read_records(path: Path) -> list:
     return records
 
 
+def finished_records(path: Path, timeout_s: float = 120) -> list:
+    """The file's records once its run has ended: `run.finish()` returns when the exit is sent to wandb's service
+    process, whose writer may still be appending (seen under load); its last record is then `exit`."""
+    deadline = time.monotonic() + timeout_s  # a hang guard only
+    while True:
+        records = read_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
+
+
 def records_of(run_dir: Path, kind: str) -> list:
     return [getattr(r, kind) for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-            for r in read_records(path) if r.WhichOneof("record_type") == kind]
+            for r in finished_records(path) if r.WhichOneof("record_type") == kind]
 
 
 def item_key(item) -> str:
@@ -55,7 +70,7 @@ def item_key(item) -> str:
 
 
 def test_an_offline_run_writes_its_metrics_config_and_reports_under_the_run_folder(tmp_path, tiny_model, tokenizer):
-    from trainer.wandb_logger import attach_reports
+    from trainer.wandb_logger import attach_run_reports
 
     cfg = tiny_config(tmp_path, "train.iterations=2", "logging.wandb.mode=offline", "logging.wandb.project=emapg-test",
                       "logging.wandb.tags=[unit]")
@@ -74,7 +89,7 @@ def test_an_offline_run_writes_its_metrics_config_and_reports_under_the_run_fold
     assert run.project == "emapg-test" and list(run.tags) == ["unit"] and run.display_name == "run"
 
     (run_dir / "report.json").write_text(json.dumps({"em": 0.25}))
-    attach_reports(cfg, [run_dir / "report.json", run_dir / "no-such-plot.png"])  # missing files are skipped
+    attach_run_reports(cfg, [run_dir / "report.json", run_dir / "no-such-plot.png"])  # missing files are skipped
     (artifact,) = records_of(run_dir, "artifact")
     assert artifact.type == "report" and [entry.path for entry in artifact.manifest.contents] == ["report.json"]
     ids = {path.name.rsplit("-", 1)[1] for path in (run_dir / "wandb").glob("offline-run-*")}

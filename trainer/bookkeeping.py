@@ -54,12 +54,13 @@ class RunLogger:
     def __init__(self, run_dir: Path, cfg: TrainConfig | None = None, job_type: str = "train"):
         from torch.utils.tensorboard import SummaryWriter
 
-        from trainer.wandb_logger import start_run
+        from trainer.wandb_logger import run_name, start_run
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = SummaryWriter(str(run_dir / "tb"))
-        self.wandb = None if cfg is None else start_run(run_dir, cfg, job_type)
+        self.wandb = None if cfg is None else start_run(run_dir, cfg.logging.wandb, run_name(cfg, run_dir),
+                                                        cfg.model_dump(mode="json"), job_type)
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
