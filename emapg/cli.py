@@ -281,7 +281,7 @@ def eval_command(
     checkpoint: Annotated[Path | None, typer.Option(help="a training checkpoint (or run folder) whose policy weights "
                                                    "replace --model's")] = None,
     wandb_mode: Annotated[str, typer.Option(help="Weights & Biases: disabled, offline (files under --out/wandb) or "
-                                            "online; the report, chart and EM per set and mode are attached")] = "disabled",
+                                            "online; the report, chart and EM per set and mode attached")] = "disabled",
     wandb_project: Annotated[str, typer.Option(help="the W&B project")] = "emapg",
 ) -> None:
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""

@@ -1,10 +1,11 @@
 """Trajectories -> padded tensors for the learner, and the policy's hidden states, logits or per-token log-prob
 statistics at the response positions.
 
-Layout (each tensor field says which columns it has: `columns`): prompts left-padded to width P, responses right-padded to width T, so response token j of every row
-sits at column P + j and is predicted by the logits at column P + j - 1. The learner slices the decoder's hidden
-states to those T columns (to its model tokens, in fact) before the LM head: the prompt's V-wide logits are never
-built, and with chunking (trainer.logprobs) neither are all of the response's at once.
+Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row sits at
+column P + j and is predicted by the logits at column P + j - 1 (each tensor field declares its columns: `columns`).
+The learner slices the decoder's hidden states to those T columns (to its model tokens, in fact) before the LM head:
+the prompt's V-wide logits are never built, and with chunking (trainer.logprobs) neither are all of the response's at
+once.
 """
 
 from __future__ import annotations
