@@ -129,10 +129,10 @@ def main() -> None:
     for step in range(1 + args.steps):  # step 0 warms up (kernel selection, allocator), untimed
         synchronize(device)
         t0 = time.perf_counter()
-        learner.prepare(batch)
+        prepared = learner.prepare(batch)
         synchronize(device)
         t1 = time.perf_counter()
-        stats = learner.update(batch, generator)
+        stats = learner.update(prepared, generator)
         synchronize(device)
         t2 = time.perf_counter()
         anchor.update(policy, cfg.ema.tau)

@@ -32,7 +32,8 @@ COPY trainer ./trainer
 COPY configs ./configs
 COPY benchmarks ./benchmarks
 # pyserini holds the packaged NQ-open / TriviaQA questions; --no-deps: only its files are read (no Java, no Lucene).
-RUN pip install . && pip install --no-deps pyserini==0.17.0
+# [wandb]: GPU runs may log to Weights & Biases (logging.wandb.mode).
+RUN pip install '.[wandb]' && pip install --no-deps pyserini==0.17.0
 
 # Runs (metrics, TensorBoard events, checkpoints) go where docker-compose.yml mounts the `runs` volume.
 VOLUME ["/runs", "/artifacts", "/cache/huggingface"]

@@ -280,9 +280,15 @@ def eval_command(
     out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
     checkpoint: Annotated[Path | None, typer.Option(help="a training checkpoint (or run folder) whose policy weights "
                                                    "replace --model's")] = None,
+    wandb_mode: Annotated[str, typer.Option(help="Weights & Biases: disabled, offline (files under --out/wandb) or "
+                                            "online; the report, chart and EM per set and mode attached")] = "disabled",
+    wandb_project: Annotated[str, typer.Option(help="the W&B project")] = "emapg",
 ) -> None:
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
+    arguments = {name: str(value) if isinstance(value, Path) else value for name, value in locals().items()}
     from contextlib import nullcontext
+
+    from pydantic import ValidationError
 
     from agent.policy import load_policy, load_tokenizer
     from agent.rollout import RolloutConfig
@@ -291,9 +297,14 @@ def eval_command(
     from retriever.client import RetrieverClient, retrieve_endpoints
     from retriever.process import running_server
     from trainer.checkpoint import CheckpointError, load_policy_weights
-    from trainer.config import RolloutSection, TrainConfig
+    from trainer.config import RolloutSection, TrainConfig, WandbSection
     from trainer.engine import rollout_backend
+    from trainer.wandb_logger import attach_reports
 
+    try:
+        wandb = WandbSection(mode=wandb_mode, project=wandb_project)
+    except ValidationError as e:
+        _fail(f"--wandb-mode: {e.errors()[0]['msg']}")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
         if m not in ("direct", "rag", "agent"):
@@ -341,6 +352,8 @@ def eval_command(
                               out_dir=out, batch_size=batch_size, retriever_timeout_s=60)
         finally:
             engine.close()
+    attach_reports(out, wandb, out.name, arguments, [out / "report.md", out / "report.json", out / "em.png"],
+                   summary={f"em/{r.dataset}/{r.mode}": r.em for r in report.results}, job_type="eval")
     print(report.markdown())  # the Markdown source: readable as is, and wide tables do not get squeezed
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 

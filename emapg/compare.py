@@ -137,6 +137,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.engine import rollout_backend
     from trainer.guard import events_markdown, read_events
+    from trainer.wandb_logger import attach_run_reports
 
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -184,5 +185,7 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
     (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out, "guard_events": {
         name: read_events(run_dir) for name, run_dir in runs.items()}}, indent=2))
     plot(curves, held_out, out / "compare.png")
+    attach_run_reports(cfg, [out / name for name in ("compare.md", "compare.json", "compare.png")]
+                       + sorted(out.glob("**/eval-*/report.*")) + sorted(out.glob("**/eval-*/em.png")))
     print("\n".join(lines))
     return out / "compare.md"

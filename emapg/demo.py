@@ -115,6 +115,7 @@ def run_demo(cfg) -> Path:
     from trainer.engine import LocalEngine, rollout_backend
     from trainer.guard import events_markdown, read_events
     from trainer.loop import Trainer
+    from trainer.wandb_logger import attach_run_reports
 
     out = cfg.run_dir
     if out.exists():
@@ -171,5 +172,7 @@ def run_demo(cfg) -> Path:
          "guard_events": read_events(out), "config": cfg.model_dump(mode="json")}, indent=2))
     plot_curves(read_jsonl(out / "metrics.jsonl"), read_jsonl(cfg.sft_dir / "metrics.jsonl"), out / "curves.png")
     plot_stages(stages, out / "em.png")
+    attach_run_reports(cfg, [out / name for name in ("report.md", "report.json", "curves.png", "em.png")]
+                       + sorted(out.glob("eval-*/report.*")) + sorted(out.glob("eval-*/em.png")))
     print(markdown)
     return out / "report.md"

@@ -20,6 +20,7 @@ from trainer.batch import collate
 from trainer.config import load_config
 from trainer.engine import PolicyTrainer
 from trainer.loop import Trainer
+from trainer.reward import Score
 
 
 def ray_config(tmp_path, model_dir, *overrides):
@@ -36,7 +37,7 @@ def ray_config(tmp_path, model_dir, *overrides):
 def parity_reward(traj):
     """A fake reward (unit test): sample s of each group scores s % 2, so every group has variance to learn from."""
     score = float(int(traj.uid.rsplit("#", 1)[1]) % 2)
-    return score, score, 0.0
+    return Score(reward=score, em=score, format=0.0)
 
 
 @pytest.fixture(scope="module")

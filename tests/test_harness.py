@@ -85,6 +85,7 @@ def test_emapg_eval_end_to_end_with_a_tiny_model(tmp_path, server_url, tiny_mode
         "eval", "--model", str(tiny_model_dir), "--datasets", "bamboogle,hotpotqa", "--flashrag-root", str(root),
         "--split", "test", "--subset", "full", "--modes", "direct,agent", "--retriever-url", server_url,
         "--max-turns", "1", "--max-tokens-per-turn", "8", "--backend", "transformers", "--out", str(out),
+        "--wandb-mode", "offline", "--wandb-project", "emapg-test",
     ])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
@@ -94,6 +95,16 @@ def test_emapg_eval_end_to_end_with_a_tiny_model(tmp_path, server_url, tiny_mode
     assert [json.loads(line)["group_id"] for line in lines] == ["bamboogle/test/0", "bamboogle/test/1"]
     assert (out / "em.png").exists() and "| bamboogle | agent | 2 |" in result.output
 
+    from test_wandb import item_key, records_of  # W&B offline: the report, its chart and EM, read back from the run
+
+    (artifact,) = records_of(out, "artifact")
+    assert sorted(entry.path for entry in artifact.manifest.contents) == ["em.png", "report.json", "report.md"]
+    (run,) = records_of(out, "run")
+    assert run.project == "emapg-test" and run.job_type == "eval"
+    assert {item_key(item): json.loads(item.value_json) for item in run.config.update}["datasets"] == "bamboogle,hotpotqa"
+    summary = {item_key(item): json.loads(item.value_json) for s in records_of(out, "summary") for item in s.update}
+    assert summary["em/bamboogle/agent"] == report["results"][2]["em"]
+
 
 def test_eval_cli_names_bad_options():
     from typer.testing import CliRunner
@@ -102,6 +113,9 @@ def test_eval_cli_names_bad_options():
 
     result = CliRunner().invoke(app, ["eval", "--modes", "direct,oracle"])
     assert result.exit_code == 2 and "--modes: unknown mode 'oracle'" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["eval", "--wandb-mode", "cloud"])
+    assert result.exit_code == 2 and "--wandb-mode: Input should be 'disabled', 'offline' or 'online'" in " ".join(
+        result.output.split())
     result = CliRunner().invoke(app, ["eval", "--backend", "tpu"])
     assert result.exit_code == 2 and "--backend must be 'vllm' or 'transformers'" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["eval", "--datasets", "squad", "--flashrag-root", "/nonexistent"])

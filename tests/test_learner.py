@@ -4,12 +4,13 @@ neither pi_old / anchor values nor the accumulated gradient, against the whole b
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from agent.trajectory import Trajectory
-from trainer.batch import collate, response_logits
+from trainer.batch import PreparedBatch, collate, response_logits
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.kl import gather_logprobs
@@ -61,7 +62,7 @@ def test_micro_batching_gives_the_whole_batch_gradient(tiny_model, tokenizer, ag
         torch.manual_seed(0)
         learner = make_learner(model, micro, aggregation, estimator)
         batch = collate(trajs, advantages, tokenizer.pad_token_id)
-        learner.prepare(batch)
+        batch = learner.prepare(batch)
         stats = learner.update(batch, torch.Generator().manual_seed(0))
         assert stats["optimizer_steps"] == 1
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -85,7 +86,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradient(ti
         torch.manual_seed(0)
         learner = make_learner(model, 3, "token-mean")
         batch = collate(trajs, advantages, tokenizer.pad_token_id)
-        learner.prepare(batch)
+        batch = learner.prepare(batch)
         calls, mlp = [], model.get_decoder().layers[0].mlp
         forward = mlp.forward  # counted by wrapping: torch's checkpoint recompute does not fire module hooks
         mlp.forward = lambda x, calls=calls, forward=forward: calls.append(1) or forward(x)
@@ -102,8 +103,14 @@ def test_prepare_matches_one_uncut_forward_pass(tiny_model, tokenizer):
     trajs = ragged_trajectories(len(tokenizer))
     model = copy.deepcopy(tiny_model)
     learner = make_learner(model, 2, "token-mean")
-    batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
-    learner.prepare(batch)
+    rollout = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
+    with pytest.raises(TypeError, match="takes the PreparedBatch that prepare"):
+        learner.update(rollout)
+    batch = learner.prepare(rollout)
+    assert isinstance(batch, PreparedBatch) and not isinstance(rollout, PreparedBatch)
+    assert batch.input_ids is rollout.input_ids  # the rollout's tensors, not copies
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.old_logprobs = None
     with torch.no_grad():
         full = gather_logprobs(response_logits(model, batch), batch.response_ids[..., None])[..., 0]
     mask = batch.loss_mask
@@ -123,7 +130,7 @@ def test_packed_update_equals_the_full_logits_reference(tiny_model, tokenizer):
     model = copy.deepcopy(tiny_model)
     learner = make_learner(model, 6, "token-mean")
     batch = collate(trajs, advantages, tokenizer.pad_token_id)
-    learner.prepare(batch)
+    batch = learner.prepare(batch)
     learner.update(batch, torch.Generator().manual_seed(0))
     packed_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -194,7 +201,7 @@ def test_chunked_logprobs_give_the_full_logits_losses_and_gradients(tiny_model, 
                                f"train.logprob_chunk_tokens={chunk}", f"train.entropy_coef={entropy_coef}",
                                temperature=0.8)
         batch = collate(trajs, advantages, tokenizer.pad_token_id)
-        learner.prepare(batch)
+        batch = learner.prepare(batch)
         stats = learner.update(batch, torch.Generator().manual_seed(0))
         grad = torch.cat([p.grad.flatten() for p in model.parameters()])
         results[chunk] = (stats, grad, batch, learner.anchor_logits.model)

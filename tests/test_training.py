@@ -14,6 +14,7 @@ from data.qa import QAExample
 from trainer.config import load_config
 from trainer.engine import LocalEngine, rollout_backend
 from trainer.loop import Trainer
+from trainer.reward import Score
 
 # A random Llama initialised with std 0.3 (not 0.02) has a peaked first-token distribution: for seed 0 its three
 # most likely first tokens hold ~6% of the mass. Learning to start the answer with one of them takes the reward
@@ -24,7 +25,7 @@ TARGET_IDS = {17387, 6864, 33072}
 def first_token_reward(traj):
     """The learnable task: reward 1 when the first generated token is one of TARGET_IDS."""
     hit = float(bool(traj.response_ids) and traj.response_ids[0] in TARGET_IDS)
-    return hit, hit, 0.0
+    return Score(reward=hit, em=hit, format=0.0)
 
 
 def peaked_tiny_model(vocab_size: int):
@@ -121,3 +122,23 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
     for (name, a), b in zip(straight.engine.learning.policy.state_dict().items(),
                             resumed.engine.learning.policy.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_reward_is_a_score_with_em_and_format_apart():
+    from agent.trajectory import Trajectory, Turn
+    from trainer.reward import reward
+
+    def answered(answer: str, invalid: bool = False) -> Trajectory:
+        turns = [Turn("invalid", 0, 1, "stop")] * invalid + [Turn("answer", 1, 2, "stop")]
+        return Trajectory("g#0", "g", "q", ["Paris"], [1], turns=turns, answer=answer)
+
+    assert reward(answered("paris"), 0.2) == Score(reward=1.2, em=1.0, format=1.0)
+    assert reward(answered("Lyon"), 0.2) == Score(reward=0.2, em=0.0, format=1.0)
+    assert reward(answered("Paris", invalid=True), 0.2) == Score(reward=1.0, em=1.0, format=0.0)
+
+
+def test_a_reward_function_returning_a_bare_tuple_is_refused(tmp_path, tiny_model, tokenizer):
+    trainer = make_trainer(tiny_config(tmp_path, "train.iterations=1"), tiny_model, tokenizer)
+    trainer.reward_fn = lambda traj: (1.0, 1.0, 0.0)
+    with pytest.raises(TypeError, match=r"reward_fn must return trainer.reward.Score\(reward, em, format\), got \(1.0"):
+        trainer.step()

@@ -31,6 +31,7 @@ from trainer.config import load_config
 from trainer.kl import gather_logprobs
 from trainer.engine import LocalEngine
 from trainer.loop import Trainer
+from trainer.reward import Score
 
 QUESTION = QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t")
 OTHER = QAExample("triviaqa/test/0", "triviaqa", "test", "which planet is largest?", ("Jupiter",), "t")
@@ -227,7 +228,7 @@ def test_weight_sync_in_place_makes_the_sampler_match_the_new_policy(engine, sea
 def parity_reward(traj):
     """A fake reward (unit test): sample s of each group scores s % 2, so every group has variance to learn from."""
     score = float(int(traj.uid.rsplit("#", 1)[1]) % 2)
-    return score, score, 0.0
+    return Score(reward=score, em=score, format=0.0)
 
 
 def test_trainer_syncs_the_engine_after_every_update(engine, search_model, tokenizer, tmp_path):

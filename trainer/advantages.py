@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trainer.registry import register_advantage_estimator
+
 
 def group_index(group_ids: list[str]) -> Tensor:
     """Map each string id to a dense integer, in order of first appearance. Groups need not be contiguous."""
@@ -24,6 +26,7 @@ def group_index(group_ids: list[str]) -> Tensor:
     return torch.tensor([dense.setdefault(gid, len(dense)) for gid in group_ids], dtype=torch.long)
 
 
+@register_advantage_estimator("grpo")
 def grpo_advantages(
     rewards: Tensor, group_ids: list[str], *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:

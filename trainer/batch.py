@@ -1,19 +1,20 @@
 """Trajectories -> padded tensors for the learner, and the policy's hidden states, logits or per-token log-prob
 statistics at the response positions.
 
-Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row
-sits at column P + j and is predicted by the logits at column P + j - 1. The learner slices the decoder's hidden
-states to those T columns (to its model tokens, in fact) before the LM head: the prompt's V-wide logits are never
-built, and with chunking (trainer.logprobs) neither are all of the response's at once.
+Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row sits at
+column P + j and is predicted by the logits at column P + j - 1 (each tensor field declares its columns: `columns`).
+The learner slices the decoder's hidden states to those T columns (to its model tokens, in fact) before the LM head:
+the prompt's V-wide logits are never built, and with chunking (trainer.logprobs) neither are all of the response's at
+once.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cache
-from typing import Literal
+from typing import Literal, Self
 
 import torch
 from torch import Tensor
@@ -22,49 +23,61 @@ from agent.trajectory import Trajectory
 from trainer.logprobs import TokenLogprobs, token_logprobs
 
 
-@dataclass
+def columns(layout: Literal["sequence", "response"]):
+    """A field whose columns are the whole sequence (P + T) or the response (T): what `select` cuts."""
+    return field(metadata={"columns": layout})
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
-    input_ids: Tensor  # (N, P + T)
-    attention_mask: Tensor  # (N, P + T)
-    position_ids: Tensor  # (N, P + T)
-    response_ids: Tensor  # (N, T)
-    loss_mask: Tensor  # (N, T) bool: the model's own tokens
-    sampler_logprobs: Tensor  # (N, T) what the rollout engine reported
+    """Scored trajectories as tensors (`collate`), what the learner's `prepare` starts from."""
+
+    input_ids: Tensor = columns("sequence")  # (N, P + T)
+    attention_mask: Tensor = columns("sequence")  # (N, P + T)
+    position_ids: Tensor = columns("sequence")  # (N, P + T)
+    response_ids: Tensor = columns("response")  # (N, T)
+    loss_mask: Tensor = columns("response")  # (N, T) bool: the model's own tokens
+    sampler_logprobs: Tensor = columns("response")  # (N, T) what the rollout engine reported
     advantages: Tensor  # (N,)
     prompt_width: int
-    # Filled in by Learner.prepare, after rollout and before any update (at loss_mask positions; 0 elsewhere):
-    old_logprobs: Tensor | None = None  # (N, T) pi_old recomputed by the trainer
-    topk_ids: Tensor | None = None  # (N, T, k) top-k of pi_old (reverse KL) or of the anchor (forward)
-    ref_topk_logprobs: Tensor | None = None  # (N, T, k) the anchor's log-probs at topk_ids
-    ref_token_logprob: Tensor | None = None  # (N, T) the anchor's log-prob of the sampled token
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def to(self, device: torch.device | str) -> RolloutBatch:
+    def to(self, device: torch.device | str) -> Self:
         """Every tensor moved to `device` (the learner's; collate builds on CPU)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return RolloutBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
+        return type(self)(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()})
 
     def response_lengths(self) -> Tensor:
         return self.attention_mask[:, self.prompt_width :].sum(-1)
 
-    def select(self, rows: Tensor) -> RolloutBatch:
+    def select(self, rows: Tensor) -> Self:
         """The sub-batch of these rows (a mini- or micro-batch), cut to its longest response: the dropped columns
         are padding after every row's end, which no earlier position attends to (causal), so nothing changes."""
         width = self.response_ids.shape[1]
         keep = max(int(self.attention_mask[rows, self.prompt_width :].sum(-1).max()), 1) if len(rows) else width
+        cut = {"sequence": self.prompt_width + keep, "response": keep}
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, Tensor):
                 v = v[rows]
-                if v.dim() >= 2 and v.shape[1] == width:
-                    v = v[:, :keep]
-                elif v.dim() >= 2 and v.shape[1] == self.prompt_width + width:
-                    v = v[:, : self.prompt_width + keep]
+                if "columns" in f.metadata:
+                    v = v[:, : cut[f.metadata["columns"]]]
             values[f.name] = v
-        return RolloutBatch(**values)
+        return type(self)(**values)
+
+
+@dataclass(frozen=True)
+class PreparedBatch(RolloutBatch):
+    """A RolloutBatch with what `Learner.prepare` computed before any update, at loss_mask positions (0 elsewhere):
+    the only batch `Learner.update` takes."""
+
+    old_logprobs: Tensor = columns("response")  # (N, T) pi_old, recomputed by the trainer
+    topk_ids: Tensor = columns("response")  # (N, T, k) top-k of pi_old (reverse KL) or of the anchor (forward)
+    ref_topk_logprobs: Tensor = columns("response")  # (N, T, k) the anchor's log-probs at topk_ids
+    ref_token_logprob: Tensor = columns("response")  # (N, T) the anchor's log-prob of the sampled token
 
 
 def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int) -> RolloutBatch:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from data.qa import QAExample
+from trainer.config import TrainConfig
 
 
 @dataclass
@@ -47,14 +48,19 @@ class PromptSampler:
 
 
 class RunLogger:
-    """Per-iteration metrics to `metrics.jsonl` and TensorBoard (`tb/`)."""
+    """Per-iteration metrics to `metrics.jsonl`, TensorBoard (`tb/`) and, given a `cfg` whose logging.wandb.mode is
+    not disabled, Weights & Biases (`wandb/`, with the run's config; trainer/wandb_logger.py)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, cfg: TrainConfig | None = None, job_type: str = "train"):
         from torch.utils.tensorboard import SummaryWriter
+
+        from trainer.wandb_logger import run_name, start_run
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.wandb = None if cfg is None else start_run(run_dir, cfg.logging.wandb, run_name(cfg, run_dir),
+                                                        cfg.model_dump(mode="json"), job_type)
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
@@ -62,7 +68,11 @@ class RunLogger:
         for key, value in metrics.items():
             self.tb.add_scalar(key, value, iteration)
         self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({"iteration": iteration, **metrics})
 
     def close(self) -> None:
         self.jsonl.close()
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

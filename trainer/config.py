@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer import registry
 
 
 def installed_rollout_backend() -> Literal["transformers", "vllm"]:
@@ -21,6 +23,14 @@ def installed_rollout_backend() -> Literal["transformers", "vllm"]:
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def registered(table: registry.Registry, name: str, *also: str) -> str:
+    """`name` if it is registered in `table` (trainer.registry) or one of `also`, else an error listing them all."""
+    registry.load_builtin_algorithms()
+    if name not in also and name not in table.names():
+        raise ValueError(f"unknown {table.kind} {name!r}; registered: {', '.join((*table.names(), *also))}")
+    return name
 
 
 class DataConfig(Section):
@@ -90,7 +100,8 @@ class TrainSection(Section):
     warmup_steps: int = Field(10, ge=0)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
-    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    aggregation: str = "token-mean"  # a registered loss aggregation (trainer/policy_loss.py)
+    advantage: str = "grpo"  # a registered advantage estimator (trainer/advantages.py)
     normalize_adv_std: bool = True  # False: Dr. GRPO
     entropy_coef: float = Field(0.0, ge=0)
     # Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
@@ -101,14 +112,32 @@ class TrainSection(Section):
     # (V = 151,936 for Qwen: ~0.6 MB per token in fp32). 0 = all of a micro-batch's tokens at once.
     logprob_chunk_tokens: int = Field(256, ge=0)
 
+    @field_validator("aggregation")
+    @classmethod
+    def _registered_aggregation(cls, name: str) -> str:
+        return registered(registry.LOSS_AGGREGATIONS, name)
+
+    @field_validator("advantage")
+    @classmethod
+    def _registered_advantage(cls, name: str) -> str:
+        return registered(registry.ADVANTAGE_ESTIMATORS, name)
+
+
+KL_OFF = "none"  # kl.estimator value for no KL term
+
 
 class KLSection(Section):
-    estimator: Literal["topk", "exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "none"] = "topk"
+    estimator: str = "topk"  # a registered KL estimator (trainer/kl.py), or "none"
     direction: Literal["reverse", "forward"] = "reverse"
     topk: int = Field(32, ge=0)
     beta: float = Field(0.001, ge=0)
     importance_weight: bool = True
     iw_clip: float | None = None
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered_estimator(cls, name: str) -> str:
+        return registered(registry.KL_ESTIMATORS, name, KL_OFF)
 
 
 class LoRASection(Section):
@@ -162,6 +191,20 @@ class DistributedSection(Section):
     strategy: Literal["ddp", "fsdp"] = "ddp"
     gpus_per_rollout_worker: float = Field(0.0, ge=0)
     gpus_per_learner_rank: float = Field(0.0, ge=0)
+
+
+class WandbSection(Section):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (trainer/wandb_logger.py). offline: everything is
+    written under the run folder (<run>/wandb/), no network; `wandb sync <run>/wandb/offline-run-*` uploads it later."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "emapg"
+    entity: str | None = None  # the W&B user or team; None: the logged-in user's default
+    tags: list[str] = []
+
+
+class LoggingSection(Section):
+    wandb: WandbSection = WandbSection()
 
 
 class CheckpointSection(Section):
@@ -218,6 +261,7 @@ class TrainConfig(Section):
     distributed: DistributedSection = DistributedSection()
     checkpoint: CheckpointSection = CheckpointSection()
     guard: GuardSection = GuardSection()
+    logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

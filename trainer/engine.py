@@ -129,11 +129,11 @@ class PolicyTrainer:
         cfg = self.cfg
         batch = batch.to(next(self.policy.parameters()).device)
         start = time.perf_counter()
-        self.learner.prepare(batch)
+        prepared = self.learner.prepare(batch)
         timings = {"time_prepare_s": time.perf_counter() - start}
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
-        stats = self.learner.update(batch, generator, iteration)
+        stats = self.learner.update(prepared, generator, iteration)
         timings["time_update_s"] = time.perf_counter() - start
         start = time.perf_counter()
         # The anchor averages the policies the updates made: an update whose every step the guard skipped made none.

@@ -28,10 +28,13 @@ logit makes 0 * inf terms); log-probs are always normalised over the full vocabu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-SAMPLED_KL_KINDS = ("k1", "k2", "k3", "k3pp", "k4", "k5")
+from trainer.registry import register_kl_estimator
+
 DIRECTIONS = ("reverse", "forward")
 
 
@@ -49,6 +52,35 @@ def importance_weight(logprob: Tensor, old_logprob: Tensor, iw_clip: float | Non
     """s = sg(pi_theta(p) / pi_old(p)), optionally clamped to at most `iw_clip` (the clamp biases it)."""
     s = torch.exp(logprob.float() - old_logprob.float()).detach()
     return s if iw_clip is None else s.clamp(max=iw_clip)
+
+
+# The sampled estimators as functions of log w and log r (module docstring's table); r = exp(log r) has value 1.
+def _k1(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return -log_w
+
+
+def _k2(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return 0.5 * log_w.square()
+
+
+def _k3(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return torch.expm1(log_w) - log_w  # w - 1 - log w; expm1 keeps precision when w ~ 1
+
+
+def _k3pp(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return torch.exp(log_r) * (torch.expm1(log_w) - log_w)
+
+
+def _k4(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return torch.exp(log_r) * (-log_w).detach()
+
+
+def _k5(log_w: Tensor, log_r: Tensor) -> Tensor:
+    return torch.exp(log_w).detach() * log_w + log_r
+
+
+SAMPLED_KL = {"k1": _k1, "k2": _k2, "k3": _k3, "k3pp": _k3pp, "k4": _k4, "k5": _k5}
+SAMPLED_KL_KINDS = tuple(SAMPLED_KL)
 
 
 def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: Tensor | None = None) -> Tensor:
@@ -70,21 +102,7 @@ def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: 
     logprob = logprob.float()
     log_w = ref_logprob.float().detach() - logprob  # gradient: -grad log pi
     log_r = logprob - logprob.detach()  # value 0, gradient grad log pi
-    r = torch.exp(log_r)  # value 1, gradient grad log pi
-
-    if kind == "k1":
-        kl = -log_w
-    elif kind == "k2":
-        kl = 0.5 * log_w.square()
-    elif kind == "k3":
-        kl = torch.expm1(log_w) - log_w  # w - 1 - log w; expm1 keeps precision when w ~ 1
-    elif kind == "k3pp":
-        kl = r * (torch.expm1(log_w) - log_w)
-    elif kind == "k4":
-        kl = r * (-log_w).detach()
-    else:  # k5
-        kl = torch.exp(log_w).detach() * log_w + log_r
-
+    kl = SAMPLED_KL[kind](log_w, log_r)
     if old_logprob is not None:
         kl = importance_weight(logprob, old_logprob) * kl
     return kl
@@ -218,3 +236,43 @@ def topk_kl_from_logprobs(
     log_w = -log_ratio
     tail = tail_weight * (torch.exp(log_w).detach() * log_w + log_r)  # k5 on the tail
     return head + tail + mass_grad_only
+
+
+@dataclass(frozen=True)
+class KLInputs:
+    """What a registered KL estimator (trainer.registry) gets from the learner: per-token values at a micro-batch's M
+    model tokens (packed). Only the policy's log-probs carry gradient. Which optional fields are set depends on what
+    the estimator `reads`: `head_logprobs`, `topk_ids` and `ref_topk_logprobs` for "topk", `exact_kl` for "exact"."""
+
+    token_logprob: Tensor  # (M,) log pi_theta(p) of the sampled token
+    ref_token_logprob: Tensor  # (M,) log pi_ref(p)
+    tokens: Tensor  # (M,) the sampled tokens p
+    direction: str  # "reverse" KL(pi_theta || pi_ref) or "forward" KL(pi_ref || pi_theta)
+    old_token_logprob: Tensor | None = None  # (M,) log pi_old(p), when the config asks for the importance weight
+    iw_clip: float | None = None
+    head_logprobs: Tensor | None = None  # (M, k) log pi_theta at topk_ids
+    topk_ids: Tensor | None = None  # (M, k)
+    ref_topk_logprobs: Tensor | None = None  # (M, k) log pi_ref at topk_ids
+    exact_kl: Tensor | None = None  # (M,) the full-vocabulary KL in `direction`
+
+
+@register_kl_estimator("topk", reads="topk")
+def topk_estimator(x: KLInputs) -> Tensor:
+    return topk_kl_from_logprobs(x.head_logprobs, x.token_logprob, x.ref_topk_logprobs, x.ref_token_logprob,
+                                 x.topk_ids, x.tokens, direction=x.direction, old_token_logprob=x.old_token_logprob,
+                                 iw_clip=x.iw_clip)
+
+
+@register_kl_estimator("exact", reads="exact")
+def exact_estimator(x: KLInputs) -> Tensor:
+    return x.exact_kl  # computed beside the policy's LM head, chunk by chunk (trainer.logprobs)
+
+
+def _register_sampled(kind: str) -> None:
+    @register_kl_estimator(kind, reads="token")
+    def estimator(x: KLInputs) -> Tensor:
+        return sampled_kl(x.token_logprob, x.ref_token_logprob, kind, old_logprob=x.old_token_logprob)
+
+
+for _kind in SAMPLED_KL_KINDS:
+    _register_sampled(_kind)

@@ -1,6 +1,7 @@
 """The learner: one EMA-PG update from a batch of scored trajectories.
 
-    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids
+    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids: a new,
+              PreparedBatch (the RolloutBatch is left as it was)
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
               a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.guard)
@@ -12,19 +13,21 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
-from trainer.config import GuardSection, KLSection, TrainSection
+from trainer.batch import PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
+from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.guard import StepGuard
-from trainer.kl import sampled_kl, topk_kl_from_logprobs
+from trainer.kl import KLInputs
 from trainer.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
+from trainer.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 
 def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
@@ -34,10 +37,8 @@ def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
 def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation: str = "token-mean") -> list[float]:
     """Each micro-batch's share of the mini-batch mean (its tokens, or its sequences, over the mini-batch's), so
     that accumulating share x micro-batch mean gives exactly the gradient of the whole mini-batch's mean."""
-    if aggregation == "token-mean":
-        counts = [float(loss_mask[r].sum()) for r in micro_rows]
-    else:
-        counts = [float((loss_mask[r].sum(-1) > 0).sum()) for r in micro_rows]
+    count = LOSS_AGGREGATIONS.get(aggregation).count
+    counts = [float(count(loss_mask[r])) for r in micro_rows]
     total = sum(counts)
     return [c / total if total else 0.0 for c in counts]
 
@@ -79,6 +80,7 @@ class Learner:
         self.scheduler = scheduler
         self.train = train
         self.kl = kl
+        self.kl_estimator = None if kl.estimator == KL_OFF else KL_ESTIMATORS.get(kl.estimator)
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
         self.autocast_kind = autocast_kind
@@ -131,17 +133,17 @@ class Learner:
         return micro_rows[self.rank :: self.world_size]
 
     @torch.no_grad()
-    def prepare(self, batch: RolloutBatch) -> None:
-        """Fill in pi_old's token log-probs and the anchor's values at the top-k ids, micro-batch by micro-batch:
-        k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of tokens' logits
-        (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
+    def prepare(self, batch: RolloutBatch) -> PreparedBatch:
+        """The batch with pi_old's token log-probs and the anchor's values at the top-k ids, computed micro-batch by
+        micro-batch: k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of
+        tokens' logits (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
         k, direction = self.kl.topk, self.kl.direction
         n, width = batch.response_ids.shape
         device = batch.response_ids.device
-        batch.old_logprobs = torch.zeros(n, width, device=device)
-        batch.topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
-        batch.ref_topk_logprobs = torch.zeros(n, width, k, device=device)
-        batch.ref_token_logprob = torch.zeros(n, width, device=device)
+        old_logprobs = torch.zeros(n, width, device=device)
+        topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
+        ref_topk_logprobs = torch.zeros(n, width, k, device=device)
+        ref_token_logprob = torch.zeros(n, width, device=device)
         self.policy.eval()
         for rows in self.my_share(micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
@@ -156,14 +158,17 @@ class Learner:
                 anchor = self.token_stats(mb, tokens, anchor=True, topk=k)
                 top, ref_topk, ref_token = anchor.topk_ids, anchor.topk_logprobs, anchor.logprobs[:, 0]
                 policy = self.token_stats(mb, tokens)
-            batch.old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
-            batch.topk_ids[rows, :w] = scatter_tokens(top, mask)
-            batch.ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
-            batch.ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
+            old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
+            topk_ids[rows, :w] = scatter_tokens(top, mask)
+            ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
+            ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
         if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
-            for values in (batch.old_logprobs, batch.topk_ids, batch.ref_topk_logprobs, batch.ref_token_logprob):
+            for values in (old_logprobs, topk_ids, ref_topk_logprobs, ref_token_logprob):
                 dist.all_reduce(values)
         self.reshard()
+        rollout = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}  # a PreparedBatch's are replaced
+        return PreparedBatch(**rollout, old_logprobs=old_logprobs, topk_ids=topk_ids,
+                             ref_topk_logprobs=ref_topk_logprobs, ref_token_logprob=ref_token_logprob)
 
     def reshard(self) -> None:
         """FSDP keeps a root's weights gathered after a forward pass with no backward (the root expects one next):
@@ -172,30 +177,30 @@ class Learner:
             self.policy_logits.reshard()
             self.anchor_logits.reshard()
 
-    def kl_per_token(self, stats: TokenLogprobs, token_logprob: Tensor, mb: RolloutBatch) -> Tensor:
+    def kl_per_token(self, stats: TokenLogprobs, mb: PreparedBatch) -> Tensor:
         """(N, T) per-token KL estimate from the policy's packed statistics (`micro_loss` asked for what the
-        estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
-        mask = mb.loss_mask
-        old = mb.old_logprobs if self.kl.importance_weight else None
-        if self.kl.estimator == "topk":
-            kl = topk_kl_from_logprobs(
-                stats.logprobs[:, :-1], stats.logprobs[:, -1], mb.ref_topk_logprobs[mask], mb.ref_token_logprob[mask],
-                mb.topk_ids[mask], mb.response_ids[mask], direction=self.kl.direction,
-                old_token_logprob=None if old is None else old[mask], iw_clip=self.kl.iw_clip,
-            )
-            return scatter_tokens(kl, mask)
-        if self.kl.estimator == "exact":
-            return scatter_tokens(stats.kl, mask)
-        return sampled_kl(token_logprob, mb.ref_token_logprob, self.kl.estimator, old_logprob=old)
+        registered estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
+        mask, reads = mb.loss_mask, self.kl_estimator.reads
+        inputs = KLInputs(
+            token_logprob=stats.logprobs[:, -1], ref_token_logprob=mb.ref_token_logprob[mask],
+            tokens=mb.response_ids[mask], direction=self.kl.direction,
+            old_token_logprob=mb.old_logprobs[mask] if self.kl.importance_weight else None, iw_clip=self.kl.iw_clip,
+            head_logprobs=stats.logprobs[:, :-1] if reads == "topk" else None,
+            topk_ids=mb.topk_ids[mask] if reads == "topk" else None,
+            ref_topk_logprobs=mb.ref_topk_logprobs[mask] if reads == "topk" else None,
+            exact_kl=stats.kl if reads == "exact" else None,
+        )
+        return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
-    def micro_loss(self, mb: RolloutBatch, weight: float) -> dict[str, float]:
+    def micro_loss(self, mb: PreparedBatch, weight: float) -> dict[str, float]:
         """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
         mask = mb.loss_mask
-        ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for that estimator
-        if self.kl.estimator == "topk":
+        reads = self.kl_estimator.reads if self.kl_estimator else None
+        ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for estimators reading them
+        if reads == "topk":
             ids = torch.cat([mb.topk_ids[mask], ids], dim=-1)
         reference = None
-        if self.kl.estimator == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
+        if reads == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
             with torch.no_grad():
                 reference = (self.token_stats(mb, anchor=True), self.anchor_logits.model.get_output_embeddings())
         # Entropy is always logged; it carries gradient only when it is in the loss.
@@ -209,8 +214,8 @@ class Learner:
         )
         loss = pg_loss
         out = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
-        if self.kl.estimator != "none":
-            kl = masked_mean(self.kl_per_token(stats, token_logprob, mb), mask, self.train.aggregation)
+        if self.kl_estimator is not None:
+            kl = masked_mean(self.kl_per_token(stats, mb), mask, self.train.aggregation)
             loss = loss + self.kl.beta * kl
             out["kl"] = float(kl.detach())
         entropy = masked_mean(scatter_tokens(stats.entropy, mask), mask, self.train.aggregation)
@@ -222,11 +227,13 @@ class Learner:
         (loss * weight * self.world_size).backward()
         return {k: v * weight for k, v in out.items()}
 
-    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
+    def update(self, batch: PreparedBatch, generator: torch.Generator | None = None,
                iteration: int = 0) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; returns stats averaged over the optimizer steps taken. With the guard
-        on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
-        assert batch.old_logprobs is not None, "call prepare() first"
+        """PPO epochs over shuffled mini-batches of prepare()'s batch; returns stats averaged over the optimizer steps
+        taken. With the guard on, a step with a non-finite micro-batch loss or gradient norm is skipped whole
+        (`guard_skipped_steps`)."""
+        if not isinstance(batch, PreparedBatch):
+            raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)

@@ -4,11 +4,12 @@ Per iteration:
     0. weight sync: an engine with its own copy of the weights (vLLM) gets the policy's, in place
     1. sample B prompts (a seeded permutation per epoch; the cursor is checkpointed)
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
-    3. rewards (EM, + optional format bonus) -> GRPO advantages per group (group id = example id)
+    3. rewards (EM, + optional format bonus) -> advantages per group (group id = example id; `train.advantage`)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
     5. the guard (trainer.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
        checkpoint at a lower learning rate (guard.rollback)
-    6. log (TensorBoard + JSONL), checkpoint every `checkpoint.every` iterations (not one that was rolled back)
+    6. log (JSONL + TensorBoard, and W&B when `logging.wandb.mode` is not disabled), checkpoint every
+       `checkpoint.every` iterations (not one that was rolled back)
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 from agent.backend import SamplingParams
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
-from trainer.advantages import grpo_advantages
 from trainer.batch import collate
 from trainer.bookkeeping import PromptSampler, RunLogger
 from trainer.checkpoint import (
@@ -37,26 +37,27 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.engine import Engine
 from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate, zero_variance_share
-from trainer.reward import reward
+from trainer.registry import ADVANTAGE_ESTIMATORS
+from trainer.reward import Score, reward
 
-RewardFn = Callable[[Trajectory], tuple[float, float, float]]  # -> (reward, em, format)
+RewardFn = Callable[[Trajectory], Score]
 
 
-def rollout_metrics(trajs: list[Trajectory], scores: list[tuple[float, float, float]]) -> dict[str, float]:
+def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, float]:
     n = len(trajs)
     total_turns = sum(len(t.turns) for t in trajs)
     mask_tokens = sum(len(t.loss_mask) for t in trajs)
     return {
-        "reward": sum(s[0] for s in scores) / n,
-        "em": sum(s[1] for s in scores) / n,
-        "format": sum(s[2] for s in scores) / n,
+        "reward": sum(s.reward for s in scores) / n,
+        "em": sum(s.em for s in scores) / n,
+        "format": sum(s.format for s in scores) / n,
         "response_tokens": sum(t.model_tokens for t in trajs) / n,
         "observation_tokens": sum(t.observation_tokens for t in trajs) / n,
         "searches": sum(t.num_searches for t in trajs) / n,
         "turns": total_turns / n,
         "invalid_action_rate": sum(t.num_invalid for t in trajs) / max(1, total_turns),
         "loss_mask_coverage": sum(t.model_tokens for t in trajs) / max(1, mask_tokens),
-        "zero_variance_groups": zero_variance_share([s[0] for s in scores], [t.group_id for t in trajs]),
+        "zero_variance_groups": zero_variance_share([s.reward for s in scores], [t.group_id for t in trajs]),
     }
 
 
@@ -127,8 +128,12 @@ class Trainer:
         timings["time_rollout_s"] = time.perf_counter() - start
 
         scores = [self.reward_fn(traj) for traj in trajs]
-        advantages = grpo_advantages(torch.tensor([s[0] for s in scores]), [traj.group_id for traj in trajs],
-                                     normalize_std=t.normalize_adv_std)
+        if not all(isinstance(s, Score) for s in scores):
+            wrong = next(s for s in scores if not isinstance(s, Score))
+            raise TypeError(f"reward_fn must return trainer.reward.Score(reward, em, format), got {wrong!r}")
+        advantage_estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
+        advantages = advantage_estimator(torch.tensor([s.reward for s in scores]), [traj.group_id for traj in trajs],
+                                         normalize_std=t.normalize_adv_std)
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
         # rollout_retrieval_wait_s is part of time_rollout_s (time_* are the iteration's phases)
@@ -136,7 +141,7 @@ class Trainer:
 
     def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
         """Train to iteration `until` (default: the configured total), so a caller can pause to evaluate."""
-        logger = RunLogger(self.cfg.run_dir)
+        logger = RunLogger(self.cfg.run_dir, self.cfg, job_type="rl")
         history = []
         stop = min(until or self.cfg.train.iterations, self.cfg.train.iterations)
         if self.cfg.guard.rollback and latest_checkpoint(self.cfg.run_dir) is None:

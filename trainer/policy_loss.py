@@ -12,37 +12,47 @@ overflowed exp into 0 * inf = NaN in the backward pass).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
+from trainer.registry import LOSS_AGGREGATIONS, register_loss_aggregation
 
 
-def masked_mean(x: Tensor, mask: Tensor, aggregation: Aggregation = "token-mean") -> Tensor:
-    """Mean of x (N, T) over positions where mask (N, T) is set; a scalar.
+def masked_tokens(mask: Tensor) -> Tensor:
+    return mask.sum()
 
-    "token-mean":          sum of x over all masked tokens / number of masked tokens in the batch
-                           (every token weighs the same: long trajectories weigh more).
-    "seq-mean-token-mean": mean over sequences of each sequence's own token-mean
-                           (every trajectory weighs the same); sequences with no masked token are left out.
+
+def non_empty_sequences(mask: Tensor) -> Tensor:
+    return (mask.sum(dim=-1) > 0).sum()
+
+
+@register_loss_aggregation("token-mean", count=masked_tokens)
+def token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of x over all masked tokens / number of masked tokens (every token weighs the same: long trajectories
+    weigh more)."""
+    return x.sum() / masked_tokens(mask).clamp_min(1)
+
+
+@register_loss_aggregation("seq-mean-token-mean", count=non_empty_sequences)
+def seq_mean_token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over sequences of each sequence's own token-mean (every trajectory weighs the same); sequences with no
+    masked token are left out."""
+    tokens_per_seq = mask.sum(dim=-1)
+    seq_means = x.sum(dim=-1) / tokens_per_seq.clamp_min(1)
+    return seq_means[tokens_per_seq > 0].sum() / non_empty_sequences(mask).clamp_min(1)
+
+
+def masked_mean(x: Tensor, mask: Tensor, aggregation: str = "token-mean") -> Tensor:
+    """Mean of x (N, T) over positions where mask (N, T) is set, by a registered loss aggregation; a scalar.
     An empty mask gives 0 (with zero gradient), not NaN.
 
-    For gradient accumulation over micro-batches, weight each micro-batch's value by its share of the
-    mini-batch's masked tokens ("token-mean") or of its non-empty sequences ("seq-mean-token-mean").
+    For gradient accumulation over micro-batches, weight each micro-batch's value by its share of the mini-batch's
+    `count` (trainer.registry.LossAggregation: masked tokens for "token-mean", non-empty sequences for
+    "seq-mean-token-mean").
     """
+    reduce = LOSS_AGGREGATIONS.get(aggregation).reduce
     mask = mask.bool()
-    x = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    if aggregation == "token-mean":
-        return x.sum() / mask.sum().clamp_min(1)
-    if aggregation == "seq-mean-token-mean":
-        tokens_per_seq = mask.sum(dim=-1)
-        seq_means = x.sum(dim=-1) / tokens_per_seq.clamp_min(1)
-        has_tokens = tokens_per_seq > 0
-        return seq_means[has_tokens].sum() / has_tokens.sum().clamp_min(1)
-    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    return reduce(torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)), mask)
 
 
 def ppo_clip_loss(
@@ -53,7 +63,7 @@ def ppo_clip_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
-    aggregation: Aggregation = "token-mean",
+    aggregation: str = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip loss over (N, T) token tensors; returns (scalar loss, detached stats).
 

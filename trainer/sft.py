@@ -79,7 +79,7 @@ class SFTTrainer:
 
     def run(self, progress: Callable[[int, dict], None] | None = None) -> Path:
         """Train for the configured epochs; returns the final checkpoint's folder."""
-        logger = RunLogger(self.cfg.sft_dir)
+        logger = RunLogger(self.cfg.sft_dir, self.cfg, job_type="sft")
         try:
             while self.step_count < self.steps:
                 metrics = self.step()

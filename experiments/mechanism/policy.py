@@ -44,7 +44,7 @@ def greedy_eval(policy, tokenizer, retriever, questions: list[KBQuestion], rollo
                                  SamplingParams(temperature=0.0, max_tokens=rollout.max_tokens_per_turn))
     by_kind: dict[str, list[float]] = defaultdict(list)
     for q, traj in zip(questions, trajectories, strict=True):
-        by_kind[q.kind].append(reward(traj)[1])
+        by_kind[q.kind].append(reward(traj).em)
     ems = [em for values in by_kind.values() for em in values]
     out = {"em": sum(ems) / len(ems), "searches": sum(t.num_searches for t in trajectories) / len(trajectories),
            "n": float(len(ems))}

@@ -1,0 +1,71 @@
+"""Algorithms registered by name (trainer/registry.py): an estimator registered here, outside the trainer package, is
+usable from the config by name and gives the loss it defines; unknown names are config errors listing the
+registered ones."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_learner import make_learner, ragged_trajectories
+from torch import Tensor
+
+from trainer.batch import collate, response_logits
+from trainer.config import ConfigError, load_config
+from trainer.kl import KLInputs, gather_logprobs
+from trainer.registry import KL_ESTIMATORS, register_kl_estimator
+
+
+@register_kl_estimator("test-squared-log-ratio", reads="token")
+def squared_log_ratio(x: KLInputs) -> Tensor:
+    """A KL estimator defined in a test module: (log pi_theta(p) - log pi_ref(p))^2 per token (twice k2)."""
+    return (x.token_logprob.float() - x.ref_token_logprob.float().detach()).square()
+
+
+def test_an_estimator_registered_in_a_test_module_is_usable_by_name(tiny_model, tokenizer):
+    from trainer.advantages import broadcast_to_tokens
+    from trainer.policy_loss import masked_mean, ppo_clip_loss
+
+    assert load_config(overrides=["kl.estimator=test-squared-log-ratio"]).kl.estimator == "test-squared-log-ratio"
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    model = copy.deepcopy(tiny_model)
+    learner = make_learner(model, 3, "token-mean", "test-squared-log-ratio", "kl.importance_weight=false")
+    batch = collate(trajs, advantages, tokenizer.pad_token_id)
+    batch = learner.prepare(batch)
+    stats = learner.update(batch, torch.Generator().manual_seed(0))
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    # The same loss by hand from the whole logits of both models: PPO-clip + beta (0.5) x the squared log-ratio.
+    reference, mask, ids = copy.deepcopy(tiny_model), batch.loss_mask, batch.response_ids[..., None]
+    logprob = gather_logprobs(response_logits(reference, batch), ids)[..., 0]
+    with torch.no_grad():
+        anchor = gather_logprobs(response_logits(learner.anchor_logits.model, batch), ids)[..., 0]
+    kl = masked_mean((logprob - anchor).square(), mask)
+    pg, _ = ppo_clip_loss(logprob, logprob.detach(), broadcast_to_tokens(advantages, mask), mask)
+    (pg + 0.5 * kl).backward()
+    full_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    assert float(kl.detach()) > 1e-4  # the anchor differs from the policy: the term is not trivially 0
+    assert stats["kl"] == pytest.approx(float(kl.detach()), rel=1e-5)
+    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-5 * float(full_grad.abs().max()))
+
+
+@pytest.mark.parametrize(("override", "listed"), [
+    ("kl.estimator=k9", "registered: topk, exact, k1, k2, k3, k3pp, k4, k5"),
+    ("train.aggregation=sum", "registered: token-mean, seq-mean-token-mean"),
+    ("train.advantage=ppo-gae", "registered: grpo"),
+])
+def test_unknown_names_are_config_errors_listing_the_registered_ones(override, listed):
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=field) as error:
+        load_config(overrides=[override])
+    assert listed in str(error.value)
+    if field == "kl.estimator":  # registered here, and the value that turns the term off
+        assert "test-squared-log-ratio" in str(error.value) and "none" in str(error.value)
+
+
+def test_a_name_is_registered_once():
+    with pytest.raises(ValueError, match="already registered"):
+        register_kl_estimator("k3", reads="token")(squared_log_ratio)
+    assert KL_ESTIMATORS.get("k3").fn is not squared_log_ratio
