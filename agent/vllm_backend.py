@@ -110,9 +110,11 @@ class VLLMBackend:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
         kv_cache_gib: float | None = None, max_model_len: int = 8192, enforce_eager: bool | None = None,
+        max_logprobs: int = 20,
     ):
         """`kv_cache_gib`: the KV cache in GiB (on CPU, None means DEFAULT_CPU_KV_CACHE_GIB); on a GPU, None leaves
-        it to `gpu_memory_utilization`, the share of GPU memory for weights and cache."""
+        it to `gpu_memory_utilization`, the share of GPU memory for weights and cache. `max_logprobs`: the most
+        top log-probs a request may ask for per position (vLLM's default, 20; Top-k's k = 32 needs more)."""
         kv_budget = kv_cache_bytes(model_path, dtype, max_model_len, kv_cache_gib)  # fails fast, before the engine
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -122,7 +124,7 @@ class VLLMBackend:
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_budget, max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_logprobs=max_logprobs,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
         self.loop = asyncio.new_event_loop()

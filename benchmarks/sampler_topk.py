@@ -90,7 +90,8 @@ def main() -> None:
     prompts = [prompt_ids(tokenizer, prompt_text(ex.question)) for ex in load_packaged("nq", "dev")[: args.prompts]]
     max_tokens = cfg.rollout.max_tokens_per_turn
 
-    backend = VLLMBackend(resolve_policy(cfg.model), dtype=cfg.rollout.dtype or cfg.dtype, max_model_len=4096)
+    backend = VLLMBackend(resolve_policy(cfg.model), dtype=cfg.rollout.dtype or cfg.dtype, max_model_len=4096,
+                          max_logprobs=args.k)
     try:
         backend.load_weights(policy.named_parameters())
         sample(backend, prompts[:1], args.k, 8, seed=1)  # warm-up
