@@ -36,6 +36,7 @@ from trainer.guard import (
     scale_learning_rate,
     zero_variance_share,
 )
+from trainer.reward import Score
 
 NAN = float("nan")
 
@@ -267,9 +268,9 @@ class FakeCollapsingReward:
         if self.trainer.iteration == self.collapse_at:
             self.calls_at_collapse += 1
             if (self.calls_at_collapse - 1) // self.per_iteration < self.times:
-                return 0.0, 0.0, 0.0
+                return Score(0.0, 0.0, 0.0)
         score = float(int(traj.uid.rsplit("#", 1)[1]) % 2)
-        return score, score, 0.0
+        return Score(score, score, 0.0)
 
 
 def collapse_run(tmp_path, peaked_model, tokenizer, times: int, *overrides):
