@@ -318,11 +318,11 @@ def eval_command(
             retrieve_endpoints(retriever_url)
         except ValueError as e:
             _fail(f"--retriever-url: {e}")
-    _ensure_index(index_dir, retriever_url)
     try:
         data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
+    _ensure_index(index_dir, retriever_url)  # after every option is checked: building the default takes minutes
     server = nullcontext(retriever_url) if retriever_url else running_server(index_dir)
     with server as urls, RetrieverClient(urls, topk=topk, timeout_s=60) as client:
         tag = served_index_tag(client.urls)

@@ -106,10 +106,12 @@ def test_emapg_eval_end_to_end_with_a_tiny_model(tmp_path, server_url, tiny_mode
     assert summary["em/bamboogle/agent"] == report["results"][2]["em"]
 
 
-def test_eval_cli_names_bad_options():
+def test_eval_cli_names_bad_options(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from emapg.cli import app
+
+    monkeypatch.chdir(tmp_path)  # the default index (artifacts/indexes/...) is relative: it must not be built here
 
     result = CliRunner().invoke(app, ["eval", "--modes", "direct,oracle"])
     assert result.exit_code == 2 and "--modes: unknown mode 'oracle'" in " ".join(result.output.split())
@@ -120,3 +122,4 @@ def test_eval_cli_names_bad_options():
     assert result.exit_code == 2 and "--backend must be 'vllm' or 'transformers'" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["eval", "--datasets", "squad", "--flashrag-root", "/nonexistent"])
     assert result.exit_code == 2 and "unknown FlashRAG dataset 'squad'" in " ".join(result.output.split())
+    assert not (tmp_path / "artifacts").exists()  # refused before any index was built (it took minutes)
