@@ -238,7 +238,9 @@ class LocalEngine:
 
     def sync_weights(self) -> None:
         """In place into vLLM; the in-process transformers backend samples from the policy itself (nothing to copy)."""
-        if self.weights_stale:
+        # A backend sampling from the policy object itself has nothing to copy; under LoRA the merged names (x.weight)
+        # would not even exist in it (x.base_layer.weight), and merging every adapted matrix would be wasted work.
+        if self.weights_stale and getattr(self.backend, "model", None) is not self.learning.policy:
             self.backend.load_weights(engine_weights(self.learning.policy))  # LoRA: merged weights
         self.weights_stale = False
 
