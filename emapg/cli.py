@@ -506,16 +506,23 @@ def compare(
     init: Annotated[Path | None, typer.Option(help="SFT checkpoint or run folder both methods start from; "
                                               "default: run SFT first")] = None,
     eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations")] = 10,
+    methods: Annotated[str, typer.Option(help="comma-separated methods to run: GRPO (fixed reference, k3), EMA-k3 "
+                                         "(EMA anchor, k3), EMA-PG (EMA anchor, Top-k)")] = "GRPO,EMA-k3,EMA-PG",
     index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
 ) -> None:
-    """GRPO (fixed reference, k3) against EMA-PG (EMA anchor, Top-k KL) from the same SFT checkpoint, same seeds
-    and budget; plots both reward curves and held-out EM. Overrides as key=value."""
-    from emapg.compare import run_compare
+    """The paper's rows from the same SFT checkpoint, same seeds and budget: GRPO (fixed reference, k3 KL), EMA-k3
+    (EMA anchor, k3) and EMA-PG (EMA anchor, Top-k KL); held-out EM over training, the EMA anchors at the end, and
+    paired tests against SFT and between methods. Resumes if run again. Overrides as key=value."""
+    from emapg.compare import chosen_methods, run_compare
 
+    try:
+        chosen = chosen_methods(methods)
+    except ValueError as e:
+        _fail(str(e))
     cfg = _run_config(ctx, config)
     cfg.retriever.index = index_dir
     _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
-    console.print(f"report: {run_compare(cfg, init, eval_every)}")
+    console.print(f"report: {run_compare(cfg, init, eval_every, chosen)}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,25 @@
-"""`make compare`: GRPO (fixed reference, k3 KL) against EMA-PG (EMA anchor, Top-k KL) from one SFT checkpoint.
+"""`make compare` / `make evidence`: the paper's three rows from one SFT checkpoint.
 
-Both variants start from the same SFT weights with the same seeds, data order and budget; the only differences
-are `ema.tau` (1.0: a fixed reference) and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared) and
-every `eval_every` iterations. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
+    GRPO     fixed reference (ema.tau = 1), k3 KL
+    EMA-k3   EMA anchor, k3 KL
+    EMA-PG   EMA anchor, Top-k KL
 
-A two-hour job must survive an interrupted session: run again, it picks up what is on disk (the SFT checkpoint,
-finished evaluations, each variant's latest checkpoint) and computes only the rest.
+All start from the same SFT weights with the same seeds, data order and budget; the only differences are `ema.tau`
+and `kl.estimator`. Held-out EM is measured at the start (the SFT model, shared), every `eval_every` iterations and
+at the end; at the end the EMA methods' anchors are evaluated too (GRPO's anchor is the SFT model itself). The final
+evaluations are compared pairwise on the same questions (eval.paired: EM difference with a 95% CI, exact McNemar p),
+against SFT and between methods. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
+
+A job of hours must survive an interrupted session: run again, it picks up what is on disk (the SFT checkpoint,
+finished evaluations, each method's latest checkpoint) and computes only the rest.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import AbstractContextManager, nullcontext
+from itertools import combinations
 from pathlib import Path
 
 from emapg.demo import pooled, read_jsonl
@@ -25,12 +33,30 @@ from emapg.workflow import (
     run_sft,
     train_examples,
 )
+from eval.paired import paired_em, per_question_em
 
-# The two methods differ only in these keys; everything else comes from the run's config.
+# The methods differ only in these keys; everything else comes from the run's config. Their order is the report's
+# and the plot's colours'.
 VARIANTS = {
     "GRPO": {"ema": {"tau": 1.0}, "kl": {"estimator": "k3"}},
+    "EMA-k3": {"ema": {}, "kl": {"estimator": "k3"}},
     "EMA-PG": {"ema": {}, "kl": {"estimator": "topk"}},
 }
+SFT = "SFT"
+
+
+def chosen_methods(spec: str) -> list[str]:
+    """The methods named in a comma-separated list (any case), in VARIANTS' order."""
+    canonical = {name.lower(): name for name in VARIANTS}
+    asked = [part.strip().lower() for part in spec.split(",") if part.strip()]
+    unknown = [name for name in asked if name not in canonical]
+    if unknown or not asked:
+        raise ValueError(f"unknown methods {unknown or [spec]}: choose from {', '.join(VARIANTS)}")
+    return [name for name in VARIANTS if name.lower() in asked]
+
+
+def anchor_name(method: str) -> str:
+    return f"{method} anchor"
 
 
 def variant_config(cfg, name: str):
@@ -51,14 +77,14 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
 
     fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(11, 3.8))
     for i, (name, metrics) in enumerate(curves.items()):
-        color, it = f"C{i}", [m["iteration"] for m in metrics]
+        color, it = f"C{list(VARIANTS).index(name)}", [m["iteration"] for m in metrics]
         ax_r.plot(it, [m["reward"] for m in metrics], color=color, alpha=0.3)
         window = 5  # a trailing mean: single iterations of a few groups are noisy
         smooth = [sum(m["reward"] for m in metrics[max(0, j - window + 1) : j + 1]) / min(window, j + 1)
                   for j in range(len(metrics))]
         ax_r.plot(it, smooth, color=color, label=f"{name} (faint: per iteration; bold: mean of {window})")
         points = held_out[name]
-        shift = 0.15 * (i - 0.5)  # side by side, so equal values stay visible
+        shift = 0.15 * (i - (len(curves) - 1) / 2)  # side by side, so equal values stay visible
         ax_e.errorbar([j + shift for j, _ in points], [p["em"] for _, p in points],
                       yerr=[[p["em"] - p["em_low"] for _, p in points], [p["em_high"] - p["em"] for _, p in points]],
                       color=color, marker="o", capsize=3, label=name)
@@ -71,19 +97,32 @@ def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict
     plt.close(fig)
 
 
-def held_out_eval(cfg, policy, tokenizer, client, test, name: str, out_dir: Path, backend) -> dict:
-    """Pooled held-out EM of `policy`, or of the evaluation an earlier (interrupted) run saved in `out_dir`."""
+def held_out_eval(cfg, weights: AbstractContextManager, tokenizer, client, test, name: str, out_dir: Path,
+                  backend) -> dict:
+    """Pooled held-out EM of the policy `weights` gives (entered only if needed), or of the evaluation an earlier
+    (interrupted) run saved in `out_dir`."""
     from eval.harness import EvalReport
 
     if (out_dir / "report.json").exists():
         console.print(f"{name}: reusing {out_dir / 'report.json'}")
         return pooled(EvalReport.load(out_dir / "report.json"))
-    return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out", backend))
+    with weights as policy:
+        return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out", backend))
+
+
+def eval_points(eval_every: int, iterations: int) -> list[int]:
+    """The iterations evaluated on held-out questions: every eval_every-th, and the last."""
+    return sorted({*range(eval_every, iterations + 1, eval_every), iterations})
+
+
+def anchor_eval_dir(run_dir: Path, iteration: int) -> Path:
+    return run_dir / f"eval-anchor-{iteration:04d}"
 
 
 def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
-                eval_every: int) -> list[tuple[int, dict]]:
-    """One method from the SFT weights (or its latest checkpoint), evaluated every `eval_every` iterations."""
+                eval_every: int) -> tuple[list[tuple[int, dict]], dict | None]:
+    """One method from the SFT weights (or its latest checkpoint), evaluated at `eval_points`; then its EMA anchor
+    (None for a fixed reference: that is the SFT model, evaluated once for all methods)."""
     from transformers import set_seed
 
     from trainer.checkpoint import latest_checkpoint
@@ -99,21 +138,25 @@ def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, t
         trainer.restore(checkpoint)
         console.print(f"{name}: resuming from {checkpoint}")
     points = [(0, start)]
-    # Evaluations before the resumed iteration were saved by the run that got there (their policies are gone).
-    for iteration in range(eval_every, trainer.iteration + 1, eval_every):
+    for iteration in eval_points(eval_every, vcfg.train.iterations):
         folder = vcfg.run_dir / f"eval-{iteration:04d}"
-        if iteration < trainer.iteration and not (folder / "report.json").exists():
+        if iteration > trainer.iteration:
+            trainer.run(progress=print_iteration, until=iteration)
+        # Evaluations before the resumed iteration were saved by the run that got there (their policies are gone).
+        elif iteration < trainer.iteration and not (folder / "report.json").exists():
             raise FileNotFoundError(f"{folder / 'report.json'} is missing and iteration {iteration}'s policy is "
                                     f"gone (resuming at {trainer.iteration}): delete {vcfg.run_dir} to redo {name}")
-        points.append((iteration, held_out_eval(vcfg, policy, tokenizer, client, test, f"{name} @ {iteration}",
-                                                folder, backend)))
-    while trainer.iteration < vcfg.train.iterations:
-        trainer.run(progress=print_iteration, until=trainer.iteration + eval_every)
-        points.append((trainer.iteration, held_out_eval(vcfg, policy, tokenizer, client, test,
-                                                        f"{name} @ {trainer.iteration}",
-                                                        vcfg.run_dir / f"eval-{trainer.iteration:04d}", backend)))
-        console.print(f"{name} iteration {trainer.iteration}: held-out EM {points[-1][1]['em']:.3f}")
-    return points
+        points.append((iteration, held_out_eval(vcfg, nullcontext(policy), tokenizer, client, test,
+                                                f"{name} @ {iteration}", folder, backend)))
+        console.print(f"{name} iteration {iteration}: held-out EM {points[-1][1]['em']:.3f}")
+    if vcfg.ema.tau == 1.0:
+        return points, None
+    # The last checkpoint is the last iteration's, so an interrupted anchor evaluation resumes with its anchor.
+    final = trainer.iteration
+    anchor = held_out_eval(vcfg, engine.anchor_as_policy(), tokenizer, client, test, f"{anchor_name(name)} @ {final}",
+                           anchor_eval_dir(vcfg.run_dir, final), backend)
+    console.print(f"{anchor_name(name)} iteration {final}: held-out EM {anchor['em']:.3f}")
+    return points, anchor
 
 
 def last_per_iteration(metrics: list[dict]) -> list[dict]:
@@ -121,55 +164,118 @@ def last_per_iteration(metrics: list[dict]) -> list[dict]:
     return sorted({m["iteration"]: m for m in metrics}.values(), key=lambda m: m["iteration"])
 
 
-def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]]) -> float:
+def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]],
+                 anchors: dict[str, dict] | None = None) -> float:
     """Training and evaluation time summed from the logs, which count the work of an interrupted earlier run too
-    (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation."""
+    (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation (the
+    anchors' included)."""
     training = sum(value for metrics in curves.values() for m in metrics
                    for key, value in m.items() if key.startswith("time_"))
     # Every variant's points start with the same SFT evaluation: count it once.
     start = next(iter(held_out.values()))[0][1]["seconds"]
     evaluations = start + sum(p["seconds"] for points in held_out.values() for _, p in points[1:])
+    evaluations += sum(p["seconds"] for p in (anchors or {}).values())
     return (training + evaluations) / 60
 
 
-def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
+def adamw_steps(metrics: list[dict]) -> int:
+    """Optimizer steps a method took (its logged iterations, a resumed run's replays counted once; steps the guard
+    skipped are not steps)."""
+    return sum(m["optimizer_steps"] for m in last_per_iteration(metrics))
+
+
+def comparison_pairs(methods: list[str], anchors: list[str]) -> list[tuple[str, str]]:
+    """(a, b) pairs reported as a - b: every method and anchor against SFT, every later method against every
+    earlier one (VARIANTS' order: EMA-PG - GRPO), and each anchor against its own policy."""
+    pairs = [(name, SFT) for name in (*methods, *(anchor_name(m) for m in anchors))]
+    pairs += [(later, earlier) for earlier, later in combinations(methods, 2)]
+    return pairs + [(anchor_name(m), m) for m in anchors]
+
+
+def paired_section(correct: dict[str, dict[str, bool]], pairs: list[tuple[str, str]]) -> tuple[list[str], list[dict]]:
+    """The report's paired comparisons of per-question EM (model -> example id -> correct): markdown lines and the
+    same rows for compare.json."""
+    from dataclasses import asdict
+
+    lines = ["| A | B | n | EM A | EM B | A - B | 95% CI | A right, B wrong | B right, A wrong | McNemar p |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for a, b in pairs:
+        r = paired_em(correct[a], correct[b])
+        lines.append(f"| {a} | {b} | {r.n} | {r.em_a:.3f} | {r.em_b:.3f} | {r.difference:+.3f} | "
+                     f"{r.ci95[0]:+.3f} to {r.ci95[1]:+.3f} | {r.a_only} | {r.b_only} | {r.p_value:.3g} |")
+        rows.append({"a": a, "b": b, **asdict(r)})
+    return lines, rows
+
+
+def final_table(finals: dict[str, tuple[int, dict]], steps: dict[str, int], fixed: list[str]) -> list[str]:
+    """The final evaluations (model -> (iteration, pooled row)) with the AdamW steps behind each model; a fixed
+    reference's anchor is the SFT model and gets a line saying so."""
+    lines = ["| model | iteration | AdamW steps | n | held-out EM | 95% CI | valid format |",
+             "|---|---|---|---|---|---|---|"]
+    for model, (iteration, p) in finals.items():
+        lines.append(f"| {model} | {iteration} | {steps[model]} | {p['n']} | {p['em']:.3f} | "
+                     f"{p['em_low']:.3f}-{p['em_high']:.3f} | {p['well_formed']:.2f} |")
+    lines += [f"| {anchor_name(name)} | | | | = {SFT} | | |" for name in fixed]
+    return lines
+
+
+def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> Path:
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.engine import rollout_backend
     from trainer.guard import events_markdown, read_events
     from trainer.wandb_logger import attach_run_reports
 
+    runs = {name: variant_config(cfg, name) for name in methods}
+    fixed = [name for name, vcfg in runs.items() if vcfg.ema.tau == 1.0]  # GRPO: the anchor is the SFT model
+    if cfg.lora.rank and len(fixed) < len(methods):
+        raise ValueError("compare evaluates each EMA anchor with the policy's weights swapped for the anchor's; a "
+                         "LoRA anchor (W0 + a dense delta) has no such weights: run compare with lora.rank=0")
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     held_out: dict[str, list[tuple[int, dict]]] = {}
+    anchors: dict[str, dict] = {}
     with connect_retriever(cfg, log=out / "server.log") as (client, tag):
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
         tokenizer = load_tokenizer(cfg.model)
         if init is None and latest_checkpoint(cfg.sft_dir) is not None:
             init = cfg.sft_dir  # an earlier run's SFT
             console.print(f"reusing the SFT checkpoint in {init}")
-        if init is None:  # no SFT checkpoint given: make one, shared by both variants
+        if init is None:  # no SFT checkpoint given: make one, shared by every method
             console.rule("SFT warm start")
             init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
                            build_sft_data(cfg, client, tokenizer, train))
         sft_weights = load_policy_weights(init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)
-        backend = rollout_backend(cfg, tokenizer, policy)  # one engine for both variants' rollouts and evaluations
+        backend = rollout_backend(cfg, tokenizer, policy)  # one engine for every method's rollouts and evaluations
         try:
-            start = held_out_eval(cfg, policy, tokenizer, client, test, "SFT", out / "eval-sft", backend)
-            for name in VARIANTS:
+            start = held_out_eval(cfg, nullcontext(policy), tokenizer, client, test, SFT, out / "eval-sft", backend)
+            for name in methods:
                 console.rule(name)
-                held_out[name] = run_variant(cfg, name, policy, sft_weights, tokenizer, client, train, test, backend,
-                                             start, eval_every)
+                held_out[name], anchor = run_variant(cfg, name, policy, sft_weights, tokenizer, client, train, test,
+                                                     backend, start, eval_every)
+                if anchor is not None:
+                    anchors[name] = anchor
         finally:
             backend.close()
-    curves = {name: last_per_iteration(read_jsonl(variant_config(cfg, name).run_dir / "metrics.jsonl"))
-              for name in VARIANTS}
-    lines = [(f"From `{init}`; held-out: {sum(len(v) for v in test.values())} questions; wall time "
+    curves = {name: last_per_iteration(read_jsonl(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
+    steps = {name: adamw_steps(metrics) for name, metrics in curves.items()}
+    # The final evaluations, paired on the same questions: model -> (iteration, pooled row, its folder).
+    finals = {SFT: (0, start, out / "eval-sft")}
+    finals |= {name: (*held_out[name][-1], runs[name].run_dir / f"eval-{held_out[name][-1][0]:04d}")
+               for name in methods}
+    finals |= {anchor_name(name): (held_out[name][-1][0], p, anchor_eval_dir(runs[name].run_dir,
+                                                                             held_out[name][-1][0]))
+               for name, p in anchors.items()}
+    correct = {model: per_question_em(folder) for model, (_, _, folder) in finals.items()}
+    paired_lines, paired_rows = paired_section(correct, comparison_pairs(methods, list(anchors)))
+    n = sum(len(v) for v in test.values())
+    lines = [(f"From `{init}`; held-out: {n} questions; wall time "
               f"{(time.perf_counter() - begin) / 60:.0f} min (this run); training and evaluation "
-              f"{work_minutes(curves, held_out):.0f} min (all runs, from the logs; SFT not counted)."), "",
+              f"{work_minutes(curves, held_out, anchors):.0f} min (all runs, from the logs; SFT not counted)."), "",
              "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",
              "|---|---|---|---|---|---|"]
     for name, points in held_out.items():
@@ -178,12 +284,21 @@ def run_compare(cfg, init: Path | None, eval_every: int) -> Path:
             tail = f"{sum(m['reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
             lines.append(f"| {name} | {iteration} | {p['em']:.3f} | {p['em_low']:.3f}-{p['em_high']:.3f} | "
                          f"{p['well_formed']:.2f} | {tail} |")
-    runs = {name: variant_config(cfg, name).run_dir for name in VARIANTS}
-    for name, run_dir in runs.items():
-        lines += ["", *events_markdown(run_dir, title=f"{name} guard")]
+    lines += ["", "Final held-out evaluation: each method's last policy and, for the EMA methods, its EMA anchor "
+              "(the fixed reference of GRPO is the SFT model itself). AdamW steps: the optimizer steps the method "
+              "took (an anchor's are its method's).", "",
+              *final_table({model: (it, p) for model, (it, p, _) in finals.items()},
+                           {SFT: 0, **steps, **{anchor_name(name): steps[name] for name in anchors}}, fixed), "",
+              f"Paired on the same {n} questions: A - B is the difference in EM, its 95% CI the Agresti-Min interval; "
+              "McNemar p is the exact two-sided test on the questions exactly one of the two got right. "
+              f"The p values are not corrected for the {len(paired_rows)} comparisons.", "", *paired_lines]
+    for name, vcfg in runs.items():
+        lines += ["", *events_markdown(vcfg.run_dir, title=f"{name} guard")]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
-    (out / "compare.json").write_text(json.dumps({"init": str(init), "held_out": held_out, "guard_events": {
-        name: read_events(run_dir) for name, run_dir in runs.items()}}, indent=2))
+    (out / "compare.json").write_text(json.dumps({
+        "init": str(init), "methods": methods, "held_out": held_out, "anchors": anchors, "adamw_steps": steps,
+        "final": {model: {"iteration": it, **p} for model, (it, p, _) in finals.items()}, "paired": paired_rows,
+        "guard_events": {name: read_events(vcfg.run_dir) for name, vcfg in runs.items()}}, indent=2))
     plot(curves, held_out, out / "compare.png")
     attach_run_reports(cfg, [out / name for name in ("compare.md", "compare.json", "compare.png")]
                        + sorted(out.glob("**/eval-*/report.*")) + sorted(out.glob("**/eval-*/em.png")))

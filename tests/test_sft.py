@@ -199,29 +199,40 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
 
 
 def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_model_dir, tmp_path):
-    """`emapg compare` (SFT, then GRPO and EMA-PG with held-out evaluations) through the real server; run again with
-    a longer budget it reuses the SFT checkpoint, every saved evaluation and each variant's checkpoint."""
+    """`emapg compare` (SFT, then GRPO and EMA-PG with held-out evaluations and EMA-PG's anchor) through the real
+    server; run again with a longer budget and all three methods it reuses the SFT checkpoint, every saved evaluation
+    and each method's checkpoint, runs EMA-k3 from the start, and pairs the final evaluations."""
     common = [*e2e_overrides(questions, server_url, tiny_model_dir, tmp_path), "data.eval=[bamboogle:test]",
               "data.eval_limit=3"]
-    first = emapg(tmp_path, "compare", "--config", COMPARE_CONFIG, "--eval-every", "1", *common)
+    first = emapg(tmp_path, "compare", "--config", COMPARE_CONFIG, "--eval-every", "1", "--methods", "GRPO,EMA-PG",
+                  *common)
     assert first.returncode == 0, first.stdout + first.stderr
     out = tmp_path / "runs" / "e2e"
-    before = json.loads((out / "compare.json").read_text())["held_out"]
-    assert {name: [i for i, _ in points] for name, points in before.items()} == {"GRPO": [0, 1], "EMA-PG": [0, 1]}
+    before = json.loads((out / "compare.json").read_text())
+    assert {name: [i for i, _ in points] for name, points in before["held_out"].items()} == \
+        {"GRPO": [0, 1], "EMA-PG": [0, 1]}
+    assert list(before["anchors"]) == ["EMA-PG"] and (out / "ema-pg" / "eval-anchor-0001" / "report.json").is_file()
 
     again = emapg(tmp_path, "compare", "--config", COMPARE_CONFIG, "--eval-every", "1", *common,
                   "train.iterations=2")
     assert again.returncode == 0, again.stdout + again.stderr
     for line in ("reusing the SFT checkpoint", "GRPO: resuming from", "GRPO @ 1: reusing", "EMA-PG @ 1: reusing"):
         assert line in again.stdout, again.stdout
-    after = json.loads((out / "compare.json").read_text())["held_out"]
+    after = json.loads((out / "compare.json").read_text())
     for name in ("GRPO", "EMA-PG"):
-        assert [i for i, _ in after[name]] == [0, 1, 2]
-        assert after[name][:2] == before[name]  # the saved evaluations, as they were
+        assert [i for i, _ in after["held_out"][name]] == [0, 1, 2]
+        assert after["held_out"][name][:2] == before["held_out"][name]  # the saved evaluations, as they were
         metrics = (out / name.lower() / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["iteration"] for line in metrics] == [1, 2]
-    assert (out / "compare.png").is_file() and "| EMA-PG | 2 |" in (out / "compare.md").read_text()
-    assert all(f"{name} guard" in (out / "compare.md").read_text() for name in ("GRPO", "EMA-PG"))  # its events
+    assert [i for i, _ in after["held_out"]["EMA-k3"]] == [0, 1, 2]
+    assert list(after["anchors"]) == ["EMA-k3", "EMA-PG"] and after["adamw_steps"] == {"GRPO": 2, "EMA-k3": 2,
+                                                                                          "EMA-PG": 2}
+    assert [(row["a"], row["b"]) for row in after["paired"]][:3] == [("GRPO", "SFT"), ("EMA-k3", "SFT"),
+                                                                      ("EMA-PG", "SFT")]
+    assert all(row["n"] == 3 for row in after["paired"])
+    report = (out / "compare.md").read_text()
+    assert (out / "compare.png").is_file() and "| EMA-PG | 2 |" in report and "| GRPO anchor | | | | = SFT" in report
+    assert all(f"{name} guard" in report for name in ("GRPO", "EMA-k3", "EMA-PG"))  # its events
     # Given a running retriever, compare builds no index of its own (it used to build the full packaged one).
     assert not list(tmp_path.rglob("*.building")) and not (tmp_path / "artifacts" / "indexes").exists()
     assert "building the" not in first.stdout + again.stdout

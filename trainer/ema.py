@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -256,6 +257,33 @@ class LoraEmaAnchor:
                 raise ValueError(f"LoRA EMA anchor state mismatch at {name}: saved {tuple(saved.shape)} {saved.dtype},"
                                  f" anchor {tuple(delta.shape)} {delta.dtype}")
             delta.copy_(saved)
+
+
+@contextmanager
+def anchor_weights_in(policy: nn.Module, anchor: EmaAnchor | LoraEmaAnchor) -> Iterator[nn.Module]:
+    """`policy` holding the anchor's weights (cast to the policy's dtype) for the duration, its own weights put back
+    bit for bit afterwards, also on error. Why through the policy: the anchor is then evaluated on exactly the
+    policy's path (the same module class, dtype and rollout engine), at the cost of one copy of the weights.
+
+    A LoRA anchor is refused: its weights are W0 + D with D dense, which no rank-r adapters on the policy can hold.
+    """
+    if not isinstance(anchor, EmaAnchor):
+        raise TypeError(f"only a full-weight EmaAnchor can be swapped into the policy, not a {type(anchor).__name__} "
+                        "(a LoRA anchor's W0 + D has no adapter form)")
+    weights = anchor.state_dict()
+    named = list(policy.named_parameters())  # tied weights once, as in the anchor's state
+    if [name for name, _ in named] != list(weights):
+        raise ValueError("the policy's parameters do not match the anchor's (names or order differ)")
+    own = {name: param.detach().clone() for name, param in named}
+    with torch.no_grad():
+        for name, param in named:
+            param.copy_(weights[name])
+    try:
+        yield policy
+    finally:
+        with torch.no_grad():
+            for name, param in named:
+                param.copy_(own[name])
 
 
 def ema_anchor(policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> EmaAnchor | LoraEmaAnchor:

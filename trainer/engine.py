@@ -6,6 +6,8 @@ workers, learner ranks). Both learn with `PolicyTrainer` and roll out with `roll
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -21,7 +23,7 @@ from data.qa import QAExample
 from trainer.batch import RolloutBatch
 from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
 from trainer.config import TrainConfig
-from trainer.ema import ema_anchor, should_update_ema
+from trainer.ema import anchor_weights_in, ema_anchor, should_update_ema
 from trainer.lora import (
     apply_lora,
     engine_weights,
@@ -243,6 +245,17 @@ class LocalEngine:
         if self.weights_stale and getattr(self.backend, "model", None) is not self.learning.policy:
             self.backend.load_weights(engine_weights(self.learning.policy))  # LoRA: merged weights
         self.weights_stale = False
+
+    @contextmanager
+    def anchor_as_policy(self) -> Iterator[torch.nn.Module]:
+        """The policy holding the EMA anchor's weights for the duration (to evaluate the anchor on the policy's own
+        evaluation path); afterwards the policy's own weights are back, and the rollout engine, which an evaluation
+        may have loaded the anchor into, gets them again before the next rollout."""
+        try:
+            with anchor_weights_in(self.learning.policy, self.learning.anchor) as policy:
+                yield policy
+        finally:
+            self.weights_stale = True
 
     def state(self) -> dict:
         return self.learning.state()

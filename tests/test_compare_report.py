@@ -1,0 +1,209 @@
+"""`emapg compare`'s three methods, its evaluation schedule, the EMA anchor's evaluation through the policy, and the
+report's final and paired sections, on small fakes (no engine, no server)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from emapg.compare import (
+    SFT,
+    VARIANTS,
+    adamw_steps,
+    chosen_methods,
+    comparison_pairs,
+    eval_points,
+    final_table,
+    paired_section,
+    plot,
+    run_compare,
+    variant_config,
+)
+from eval.paired import paired_em
+from trainer.config import load_config
+from trainer.ema import anchor_weights_in, ema_anchor
+from trainer.engine import LocalEngine
+
+
+def test_the_three_methods_differ_only_in_anchor_and_estimator(tmp_path):
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}"])
+    assert list(VARIANTS) == ["GRPO", "EMA-k3", "EMA-PG"]
+    grpo, ema_k3, emapg = (variant_config(cfg, name).model_dump() for name in VARIANTS)
+    assert (grpo["ema"]["tau"], grpo["kl"]["estimator"]) == (1.0, "k3")
+    assert (ema_k3["ema"]["tau"], ema_k3["kl"]["estimator"]) == (cfg.ema.tau, "k3") and cfg.ema.tau < 1
+    assert (emapg["ema"]["tau"], emapg["kl"]["estimator"]) == (cfg.ema.tau, "topk")
+    for key in grpo:
+        if key not in ("ema", "kl", "name"):
+            assert grpo[key] == ema_k3[key] == emapg[key] == cfg.model_dump()[key], key
+    for section, varied in (("ema", "tau"), ("kl", "estimator")):
+        rest = [{k: v for k, v in method[section].items() if k != varied} for method in (grpo, ema_k3, emapg)]
+        assert rest[0] == rest[1] == rest[2], section
+    # Each method in a folder of its own; GRPO's and EMA-PG's are the ones earlier runs used (they resume there).
+    folders = [variant_config(cfg, name).run_dir for name in VARIANTS]
+    assert [f.name for f in folders] == ["grpo", "ema-k3", "ema-pg"] and {f.parent for f in folders} == {cfg.run_dir}
+
+
+def test_methods_are_chosen_by_name_in_the_reports_order():
+    assert chosen_methods("GRPO,EMA-k3,EMA-PG") == list(VARIANTS)
+    assert chosen_methods("ema-pg, grpo") == ["GRPO", "EMA-PG"]
+    assert chosen_methods("EMA-PG,EMA-PG") == ["EMA-PG"]
+    for bad in ("PPO", "GRPO,emapg", ""):
+        with pytest.raises(ValueError, match="choose from GRPO, EMA-k3, EMA-PG"):
+            chosen_methods(bad)
+
+
+def test_evaluation_points_are_every_nth_iteration_and_the_last():
+    assert eval_points(10, 20) == [10, 20]
+    assert eval_points(50, 100) == [50, 100]
+    assert eval_points(15, 20) == [15, 20]  # the last even when eval_every does not divide it
+    assert eval_points(30, 20) == [20]
+    assert eval_points(1, 3) == [1, 2, 3]
+
+
+def test_adamw_steps_count_a_resumed_runs_replayed_iterations_once():
+    logged = [{"iteration": 1, "optimizer_steps": 2}, {"iteration": 2, "optimizer_steps": 2},
+              {"iteration": 2, "optimizer_steps": 1}, {"iteration": 3, "optimizer_steps": 2}]  # 2 replayed, 1 skip
+    assert adamw_steps(logged) == 5
+
+
+def test_pairs_are_each_model_against_sft_later_methods_against_earlier_and_anchors_against_their_policy():
+    assert comparison_pairs(list(VARIANTS), ["EMA-k3", "EMA-PG"]) == [
+        ("GRPO", SFT), ("EMA-k3", SFT), ("EMA-PG", SFT), ("EMA-k3 anchor", SFT), ("EMA-PG anchor", SFT),
+        ("EMA-k3", "GRPO"), ("EMA-PG", "GRPO"), ("EMA-PG", "EMA-k3"),
+        ("EMA-k3 anchor", "EMA-k3"), ("EMA-PG anchor", "EMA-PG")]
+    assert comparison_pairs(["GRPO"], []) == [("GRPO", SFT)]
+
+
+def test_paired_section_from_per_question_results():
+    ids = [f"nq/test/{i}" for i in range(6)] + [f"triviaqa/test/{i}" for i in range(4)]
+    sft = dict.fromkeys(ids, False) | {ids[0]: True, ids[1]: True}
+    grpo = dict(sft) | {ids[2]: True}  # one gained
+    emapg = dict(sft) | {ids[2]: True, ids[3]: True, ids[7]: True, ids[0]: False}  # three gained, one lost
+    anchor = dict(sft)
+    correct = {SFT: sft, "GRPO": grpo, "EMA-PG": emapg, "EMA-PG anchor": anchor}
+    # Shuffled key order: pairs are matched by question id.
+    correct = {model: dict(reversed(results.items())) for model, results in correct.items()}
+    lines, rows = paired_section(correct, comparison_pairs(["GRPO", "EMA-PG"], ["EMA-PG"]))
+    assert [(r["a"], r["b"], r["a_only"], r["b_only"]) for r in rows] == [
+        ("GRPO", SFT, 1, 0), ("EMA-PG", SFT, 3, 1), ("EMA-PG anchor", SFT, 0, 0), ("EMA-PG", "GRPO", 2, 1),
+        ("EMA-PG anchor", "EMA-PG", 1, 3)]
+    emapg_vs_sft = paired_em(emapg, sft)
+    assert rows[1]["p_value"] == emapg_vs_sft.p_value == pytest.approx(2 * 5 / 16)  # 2 P(X <= 1 | Bin(4, 1/2))
+    assert rows[2]["p_value"] == 1.0 and rows[2]["difference"] == 0.0
+    assert lines[0].startswith("| A | B | n | EM A | EM B | A - B | 95% CI |") and len(lines) == 2 + len(rows)
+    low, high = emapg_vs_sft.ci95
+    assert lines[3] == f"| EMA-PG | SFT | 10 | 0.400 | 0.200 | +0.200 | {low:+.3f} to {high:+.3f} | 3 | 1 | 0.625 |"
+
+
+def test_final_table_gives_each_model_its_steps_and_says_grpos_anchor_is_sft():
+    row = {"n": 1000, "em": 0.25, "em_low": 0.224, "em_high": 0.278, "well_formed": 0.99}
+    lines = final_table({SFT: (0, row), "GRPO": (100, row), "EMA-PG": (100, row), "EMA-PG anchor": (100, row)},
+                        {SFT: 0, "GRPO": 200, "EMA-PG": 198, "EMA-PG anchor": 198}, ["GRPO"])
+    assert lines[2:] == ["| SFT | 0 | 0 | 1000 | 0.250 | 0.224-0.278 | 0.99 |",
+                         "| GRPO | 100 | 200 | 1000 | 0.250 | 0.224-0.278 | 0.99 |",
+                         "| EMA-PG | 100 | 198 | 1000 | 0.250 | 0.224-0.278 | 0.99 |",
+                         "| EMA-PG anchor | 100 | 198 | 1000 | 0.250 | 0.224-0.278 | 0.99 |",
+                         "| GRPO anchor | | | | = SFT | | |"]
+
+
+def test_plot_takes_three_methods(tmp_path):
+    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in VARIANTS}
+    point = {"em": 0.2, "em_low": 0.1, "em_high": 0.3}
+    plot(curves, {name: [(0, point), (2, point)] for name in VARIANTS}, tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 0
+
+
+class FakeWeightRecordingBackend:
+    """A fake rollout engine holding its own copy of the weights, as vLLM does: records what it was loaded with."""
+
+    model = None  # not the policy: LocalEngine.sync_weights copies into it
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, named_tensors) -> None:
+        self.weights = {name: tensor.detach().clone() for name, tensor in named_tensors}
+
+
+def tiny_policy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(proj=nn.Linear(4, 8), act=nn.Tanh(), head=nn.Linear(8, 3)))
+
+
+def params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def engine_with_a_moved_policy(tmp_path) -> tuple[LocalEngine, FakeWeightRecordingBackend]:
+    """A LocalEngine whose policy has moved away from its EMA anchor, the backend already synced to the policy (so
+    the engine sees nothing stale: the case where an evaluation could leak into the next rollout)."""
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "rollout.mode=direct"])
+    backend = FakeWeightRecordingBackend()
+    engine = LocalEngine(cfg, tiny_policy(), None, backend)
+    policy = engine.learning.policy
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))  # stand-in for optimizer steps
+    engine.learning.anchor.update(policy, cfg.ema.tau)
+    engine.weights_stale = True
+    engine.sync_weights()
+    assert same(backend.weights, params(policy)) and not engine.weights_stale
+    return engine, backend
+
+
+def test_evaluating_the_anchor_through_the_policy_cannot_leak_into_training(tmp_path):
+    engine, backend = engine_with_a_moved_policy(tmp_path)
+    policy, anchor = engine.learning.policy, engine.learning.anchor
+    before = params(policy)
+    assert not same(before, anchor.state_dict())
+    with engine.anchor_as_policy() as evaluated:
+        assert evaluated is policy and same(params(policy), anchor.state_dict())
+        backend.load_weights(evaluated.named_parameters())  # what run_eval does before evaluating
+    assert same(params(policy), before)  # bit for bit
+    assert same(backend.weights, anchor.state_dict())  # the engine still holds the anchor...
+    engine.sync_weights()  # ...until the next iteration's sync, which Trainer.step runs before every rollout
+    assert same(backend.weights, before)
+    # The optimizer still holds the policy's own parameter objects.
+    assert {id(p) for group in engine.learning.optimizer.param_groups for p in group["params"]} == \
+        {id(p) for p in policy.parameters()}
+
+
+def test_an_evaluation_that_fails_still_restores_the_policy(tmp_path):
+    engine, backend = engine_with_a_moved_policy(tmp_path)
+    before = params(engine.learning.policy)
+    with pytest.raises(RuntimeError, match="retriever down"), engine.anchor_as_policy() as evaluated:
+        backend.load_weights(evaluated.named_parameters())
+        raise RuntimeError("retriever down")
+    assert same(params(engine.learning.policy), before) and engine.weights_stale
+
+
+def test_a_lora_anchor_is_refused():
+    from trainer.lora import apply_lora
+
+    policy = apply_lora(tiny_policy(), 2, 4.0, ["proj"], 0.0)
+    with pytest.raises(TypeError, match="LoRA"), anchor_weights_in(policy, ema_anchor(policy)):
+        pass
+
+
+def test_compare_refuses_lora_before_starting_anything(tmp_path):
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "lora.rank=4"])
+    with pytest.raises(ValueError, match="lora.rank=0"):
+        run_compare(cfg, None, 10, ["GRPO", "EMA-PG"])
+    assert not cfg.run_dir.exists()
+
+
+def test_the_cli_refuses_an_unknown_method_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from emapg.cli import app
+
+    result = CliRunner().invoke(app, ["compare", "--methods", "GRPO,PPO", f"out_dir={tmp_path}"])
+    assert result.exit_code == 2 and "unknown methods ['ppo']" in " ".join(result.output.split())
+    assert not list(tmp_path.iterdir())
