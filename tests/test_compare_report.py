@@ -207,3 +207,19 @@ def test_the_cli_refuses_an_unknown_method_before_starting_anything(tmp_path):
     result = CliRunner().invoke(app, ["compare", "--methods", "GRPO,PPO", f"out_dir={tmp_path}"])
     assert result.exit_code == 2 and "unknown methods ['ppo']" in " ".join(result.output.split())
     assert not list(tmp_path.iterdir())
+
+
+def test_the_evidence_config_is_make_compares_at_five_times_the_steps_with_a_bigger_held_out_set():
+    compare, evidence = (load_config(f"configs/{name}.yaml") for name in ("cpu_compare", "cpu_evidence"))
+    t = evidence.train
+    steps = t.iterations * t.ppo_epochs * (t.prompts_per_iteration * t.rollouts_per_prompt // t.mini_batch_size)
+    assert steps >= 5 * 40 and t.lr == compare.train.lr  # until the pilot's choice replaces it
+    # Two held-out sets capped after the answerable filter: over 1,000 needs more than 500 from at least one.
+    assert evidence.data.eval == ["nq:test", "triviaqa:test"] and evidence.data.eval_limit > 500
+    assert evidence.data.scan_limit is None  # every test question is a candidate
+    same, different = compare.model_dump(), evidence.model_dump()
+    for section in ("model", "dtype", "seed", "retriever", "rollout", "sft", "kl", "ema", "reward"):
+        assert same[section] == different[section], section
+    assert {k: v for k, v in same["train"].items() if k != "iterations"} == \
+        {k: v for k, v in different["train"].items() if k != "iterations"}
+    assert evidence.checkpoint.every <= 5
