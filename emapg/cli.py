@@ -503,9 +503,9 @@ def demo(
 def compare(
     ctx: typer.Context,
     config: Annotated[Path, typer.Option(help="the run's config")] = Path("configs/cpu_compare.yaml"),
-    init: Annotated[Path | None, typer.Option(help="SFT checkpoint or run folder both methods start from; "
-                                              "default: run SFT first")] = None,
-    eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations")] = 10,
+    init: Annotated[Path | None, typer.Option(help="SFT checkpoint or run folder every method starts from; "
+                                              "default: the run's own SFT (made first if missing)")] = None,
+    eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations and at the end")] = 10,
     methods: Annotated[str, typer.Option(help="comma-separated methods to run: GRPO (fixed reference, k3), EMA-k3 "
                                          "(EMA anchor, k3), EMA-PG (EMA anchor, Top-k)")] = "GRPO,EMA-k3,EMA-PG",
     index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,

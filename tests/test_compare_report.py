@@ -21,6 +21,7 @@ from emapg.compare import (
     plot,
     run_compare,
     variant_config,
+    work_minutes,
 )
 from eval.paired import paired_em
 from trainer.config import load_config
@@ -223,3 +224,9 @@ def test_the_evidence_config_is_make_compares_at_five_times_the_steps_with_a_big
     assert {k: v for k, v in same["train"].items() if k != "iterations"} == \
         {k: v for k, v in different["train"].items() if k != "iterations"}
     assert evidence.checkpoint.every <= 5
+
+
+def test_work_minutes_count_the_anchors_evaluations():
+    curves = {"EMA-PG": [{"iteration": 1, "time_rollout_s": 60.0}]}
+    held_out = {"EMA-PG": [(0, {"seconds": 120.0}), (1, {"seconds": 60.0})]}
+    assert work_minutes(curves, held_out, {"EMA-PG": {"seconds": 90.0}}) == (60 + 120 + 60 + 90) / 60
