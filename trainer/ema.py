@@ -275,10 +275,10 @@ def anchor_weights_in(policy: nn.Module, anchor: EmaAnchor | LoraEmaAnchor) -> I
     if [name for name, _ in named] != list(weights):
         raise ValueError("the policy's parameters do not match the anchor's (names or order differ)")
     own = {name: param.detach().clone() for name, param in named}
-    with torch.no_grad():
-        for name, param in named:
-            param.copy_(weights[name])
-    try:
+    try:  # a copy that fails half way is undone too
+        with torch.no_grad():
+            for name, param in named:
+                param.copy_(weights[name])
         yield policy
     finally:
         with torch.no_grad():
