@@ -224,12 +224,8 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
     from agent.policy import load_policy, load_tokenizer
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.engine import rollout_backend
-    from trainer.guard import events_markdown, read_events
-    from trainer.wandb_logger import attach_run_reports
 
-    runs = {name: variant_config(cfg, name) for name in methods}
-    fixed = [name for name, vcfg in runs.items() if vcfg.ema.tau == 1.0]  # GRPO: the anchor is the SFT model
-    if cfg.lora.rank and len(fixed) < len(methods):
+    if cfg.lora.rank and any(variant_config(cfg, name).ema.tau < 1 for name in methods):
         raise ValueError("compare evaluates each EMA anchor with the policy's weights swapped for the anchor's; a "
                          "LoRA anchor (W0 + a dense delta) has no such weights: run compare with lora.rank=0")
     out = cfg.run_dir
@@ -261,21 +257,35 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
                     anchors[name] = anchor
         finally:
             backend.close()
+    return write_report(cfg, init, held_out, anchors, sum(len(v) for v in test.values()),
+                        (time.perf_counter() - begin) / 60)
+
+
+def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], anchors: dict[str, dict],
+                 questions: int, wall_minutes: float) -> Path:
+    """compare.md, compare.json and compare.png from the methods' evaluation points (each starting with the shared
+    SFT evaluation), their anchors' final evaluations, and what the run folders hold: the training logs and every
+    final evaluation's trajectories, paired per question."""
+    from trainer.guard import events_markdown, read_events
+    from trainer.wandb_logger import attach_run_reports
+
+    out = cfg.run_dir
+    methods = list(held_out)
+    runs = {name: variant_config(cfg, name) for name in methods}
     curves = {name: last_per_iteration(read_jsonl(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
     steps = {name: adamw_steps(metrics) for name, metrics in curves.items()}
     # The final evaluations, paired on the same questions: model -> (iteration, pooled row, its folder).
-    finals = {SFT: (0, start, out / "eval-sft")}
-    finals |= {name: (*held_out[name][-1], runs[name].run_dir / f"eval-{held_out[name][-1][0]:04d}")
-               for name in methods}
-    finals |= {anchor_name(name): (held_out[name][-1][0], p, anchor_eval_dir(runs[name].run_dir,
-                                                                             held_out[name][-1][0]))
-               for name, p in anchors.items()}
+    finals = {SFT: (0, held_out[methods[0]][0][1], out / "eval-sft")}
+    for name in methods:
+        final, row = held_out[name][-1]
+        finals[name] = (final, row, runs[name].run_dir / f"eval-{final:04d}")
+        if name in anchors:
+            finals[anchor_name(name)] = (final, anchors[name], anchor_eval_dir(runs[name].run_dir, final))
     correct = {model: per_question_em(folder) for model, (_, _, folder) in finals.items()}
     paired_lines, paired_rows = paired_section(correct, comparison_pairs(methods, list(anchors)))
-    n = sum(len(v) for v in test.values())
-    lines = [(f"From `{init}`; held-out: {n} questions; wall time "
-              f"{(time.perf_counter() - begin) / 60:.0f} min (this run); training and evaluation "
-              f"{work_minutes(curves, held_out, anchors):.0f} min (all runs, from the logs; SFT not counted)."), "",
+    lines = [(f"From `{init}`; held-out: {questions} questions; wall time {wall_minutes:.0f} min (this run); "
+              f"training and evaluation {work_minutes(curves, held_out, anchors):.0f} min (all runs, from the logs; "
+              "SFT not counted)."), "",
              "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",
              "|---|---|---|---|---|---|"]
     for name, points in held_out.items():
@@ -284,13 +294,14 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
             tail = f"{sum(m['reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
             lines.append(f"| {name} | {iteration} | {p['em']:.3f} | {p['em_low']:.3f}-{p['em_high']:.3f} | "
                          f"{p['well_formed']:.2f} | {tail} |")
+    fixed = [name for name in methods if name not in anchors]  # GRPO: its reference is the SFT model
     lines += ["", "Final held-out evaluation: each method's last policy and, for the EMA methods, its EMA anchor "
               "(the fixed reference of GRPO is the SFT model itself). AdamW steps: the optimizer steps the method "
               "took (an anchor's are its method's).", "",
               *final_table({model: (it, p) for model, (it, p, _) in finals.items()},
                            {SFT: 0, **steps, **{anchor_name(name): steps[name] for name in anchors}}, fixed), "",
-              f"Paired on the same {n} questions: A - B is the difference in EM, its 95% CI the Agresti-Min interval; "
-              "McNemar p is the exact two-sided test on the questions exactly one of the two got right. "
+              f"Paired on the same {questions} questions: A - B is the difference in EM, its 95% CI the Agresti-Min "
+              "interval; McNemar p is the exact two-sided test on the questions exactly one of the two got right. "
               f"The p values are not corrected for the {len(paired_rows)} comparisons.", "", *paired_lines]
     for name, vcfg in runs.items():
         lines += ["", *events_markdown(vcfg.run_dir, title=f"{name} guard")]

@@ -3,6 +3,7 @@ report's final and paired sections, on small fakes (no engine, no server)."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import pytest
@@ -22,7 +23,9 @@ from emapg.compare import (
     run_compare,
     variant_config,
     work_minutes,
+    write_report,
 )
+from agent.trajectory import Trajectory, save_jsonl
 from eval.paired import paired_em
 from trainer.config import load_config
 from trainer.ema import anchor_weights_in, ema_anchor
@@ -230,3 +233,40 @@ def test_work_minutes_count_the_anchors_evaluations():
     curves = {"EMA-PG": [{"iteration": 1, "time_rollout_s": 60.0}]}
     held_out = {"EMA-PG": [(0, {"seconds": 120.0}), (1, {"seconds": 60.0})]}
     assert work_minutes(curves, held_out, {"EMA-PG": {"seconds": 90.0}}) == (60 + 120 + 60 + 90) / 60
+
+
+def fake_evaluation(folder, right: list[bool]) -> dict:
+    """An evaluation folder's trajectories (question i right or wrong), and its pooled row."""
+    save_jsonl([Trajectory(uid=f"nq/test/{i}#0", group_id=f"nq/test/{i}", question=f"q{i}", golden_answers=["yes"],
+                           prompt_ids=[1], answer="yes" if ok else "no") for i, ok in enumerate(right)],
+               folder / "trajectories" / "nq.agent.jsonl")
+    em = sum(right) / len(right)
+    return {"n": len(right), "em": em, "em_low": 0.0, "em_high": 1.0, "well_formed": 1.0, "seconds": 60.0}
+
+
+def test_the_report_pairs_the_final_evaluations_read_from_the_run_folders(tmp_path):
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "train.iterations=2"])
+    sft = fake_evaluation(cfg.run_dir / "eval-sft", [True, False, False, False, False, False])
+    finals = {"GRPO": [True, True, False, False, False, False], "EMA-PG": [False, True, True, True, False, False]}
+    held_out, anchors = {}, {}
+    for name, right in finals.items():
+        run_dir = variant_config(cfg, name).run_dir
+        # Iteration 2 logged twice (a resumed run replayed it): its last line counts.
+        logged = [{"iteration": 1, "reward": 0.1, "optimizer_steps": 2, "time_rollout_s": 60.0},
+                  {"iteration": 2, "reward": 0.2, "optimizer_steps": 1, "time_rollout_s": 60.0},
+                  {"iteration": 2, "reward": 0.3, "optimizer_steps": 2, "time_rollout_s": 60.0}]
+        held_out[name] = [(0, sft), (2, fake_evaluation(run_dir / "eval-0002", right))]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+    anchors["EMA-PG"] = fake_evaluation(variant_config(cfg, "EMA-PG").run_dir / "eval-anchor-0002",
+                                        [True, True, False, False, False, False])
+    path = write_report(cfg, tmp_path / "sft", held_out, anchors, 6, 12.0)
+    report = path.read_text()
+    assert "| SFT | 0 | 0 | 6 | 0.167 |" in report and "| GRPO | 2 | 4 | 6 | 0.333 |" in report
+    assert "| EMA-PG anchor | 2 | 4 | 6 | 0.333 |" in report and "| GRPO anchor | | | | = SFT | | |" in report
+    assert "| EMA-PG | SFT | 6 | 0.500 | 0.167 | +0.333 |" in report and "| 3 | 1 | 0.625 |" in report
+    saved = json.loads((cfg.run_dir / "compare.json").read_text())
+    assert saved["adamw_steps"] == {"GRPO": 4, "EMA-PG": 4} and saved["methods"] == ["GRPO", "EMA-PG"]
+    assert [(r["a"], r["b"], r["a_only"], r["b_only"]) for r in saved["paired"]] == [
+        ("GRPO", SFT, 1, 0), ("EMA-PG", SFT, 3, 1), ("EMA-PG anchor", SFT, 1, 0), ("EMA-PG", "GRPO", 2, 1),
+        ("EMA-PG anchor", "EMA-PG", 1, 2)]
+    assert saved["final"]["EMA-PG anchor"]["iteration"] == 2 and (cfg.run_dir / "compare.png").is_file()
