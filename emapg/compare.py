@@ -192,9 +192,9 @@ def comparison_pairs(methods: list[str], anchors: list[str]) -> list[tuple[str, 
     return pairs + [(anchor_name(m), m) for m in anchors]
 
 
-def paired_section(correct: dict[str, dict[str, bool]], pairs: list[tuple[str, str]]) -> tuple[list[str], list[dict]]:
-    """The report's paired comparisons of per-question EM (model -> example id -> correct): markdown lines and the
-    same rows for compare.json."""
+def paired_section(correct: dict[str, dict], pairs: list[tuple[str, str]]) -> tuple[list[str], list[dict]]:
+    """The report's paired comparisons of per-question EM (model -> question -> correct, as eval.paired reads them):
+    markdown lines and the same rows for compare.json."""
     from dataclasses import asdict
 
     lines = ["| A | B | n | EM A | EM B | A - B | 95% CI | A right, B wrong | B right, A wrong | McNemar p |",

@@ -12,16 +12,17 @@ difference.
     p value:         exact McNemar test, two-sided: given k = a_only + b_only discordant questions, a_only is
                      Binomial(k, 1/2) under "equally good"
 
-Per-question results are read from an evaluation's trajectory files and keyed by example id ("nq/test/7": the
-dataset, split and the question's index in its source file), never by position: a question's id is the same in
-every evaluation of the same held-out set, its position need not be, and its text need not be unique (TriviaQA
-test asks one question twice).
+Per-question results are read from an evaluation's trajectory files and keyed by (example id, question), never by
+position: the id ("nq/test/7": dataset, split and the question's index in its source file) is the same in every
+evaluation of the same held-out set, where the position need not be; the text alone is not unique (TriviaQA test
+asks one question twice), and with the id it makes two evaluations of different data under the same ids refuse to
+pair instead of pairing wrong questions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +62,10 @@ def paired_difference_interval(a_only: int, b_only: int, n: int, z: float = 1.96
     return (max(-1.0, centre - half), min(1.0, centre + half))
 
 
-def paired_em(a: Mapping[str, bool], b: Mapping[str, bool]) -> PairedEM:
-    """EM of a and b on the same questions (dicts keyed by question id), their difference and its tests."""
+def paired_em(a: Mapping[Hashable, bool], b: Mapping[Hashable, bool]) -> PairedEM:
+    """EM of a and b on the same questions (dicts keyed by question), their difference and its tests."""
     if a.keys() != b.keys():
-        only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+        only_a, only_b = sorted(map(str, a.keys() - b.keys())), sorted(map(str, b.keys() - a.keys()))
         raise ValueError(f"paired EM needs the same questions: {len(only_a)} only in the first ({only_a[:3]}), "
                          f"{len(only_b)} only in the second ({only_b[:3]})")
     n = len(a)
@@ -75,16 +76,17 @@ def paired_em(a: Mapping[str, bool], b: Mapping[str, bool]) -> PairedEM:
                     ci95=paired_difference_interval(a_only, b_only, n), p_value=mcnemar_exact_p(a_only, b_only))
 
 
-def per_question_em(eval_dir: Path, mode: str = "agent") -> dict[str, bool]:
-    """Example id -> exact match of every question an evaluation (eval.harness.evaluate's out_dir) answered in
-    `mode`, read from its trajectories/<dataset>.<mode>.jsonl and scored as the report scored them."""
-    correct: dict[str, bool] = {}
+def per_question_em(eval_dir: Path, mode: str = "agent") -> dict[tuple[str, str], bool]:
+    """(example id, question) -> exact match of every question an evaluation (eval.harness.evaluate's out_dir)
+    answered in `mode`, read from its trajectories/<dataset>.<mode>.jsonl and scored as the report scored them."""
+    correct: dict[tuple[str, str], bool] = {}
     files = sorted((Path(eval_dir) / "trajectories").glob(f"*.{mode}.jsonl"))
     if not files:
         raise FileNotFoundError(f"no {mode}-mode trajectories under {Path(eval_dir) / 'trajectories'}")
     for path in files:
         for trajectory in load_jsonl(path):
-            if trajectory.group_id in correct:
+            key = (trajectory.group_id, trajectory.question)
+            if key in correct:
                 raise ValueError(f"{path}: question {trajectory.group_id} answered twice")
-            correct[trajectory.group_id] = bool(exact_match(trajectory.answer, trajectory.golden_answers))
+            correct[key] = bool(exact_match(trajectory.answer, trajectory.golden_answers))
     return correct

@@ -92,7 +92,15 @@ def test_per_question_em_reads_each_datasets_trajectories_as_the_report_scored_t
                 trajectory("triviaqa/test/8", "same", "no", "yes")],
                tmp_path / "trajectories" / "triviaqa.agent.jsonl")
     save_jsonl([trajectory("nq/test/0", "q0", "wrong", "paris")], tmp_path / "trajectories" / "nq.direct.jsonl")
-    assert per_question_em(tmp_path) == {"nq/test/0": True, "nq/test/4": False, "triviaqa/test/7": True,
-                                         "triviaqa/test/8": False}
+    correct = per_question_em(tmp_path)
+    assert correct == {("nq/test/0", "q0"): True, ("nq/test/4", "q4"): False, ("triviaqa/test/7", "same"): True,
+                       ("triviaqa/test/8", "same"): False}
+    # Other data under the same ids (another source file) does not pair.
+    save_jsonl([trajectory("nq/test/0", "other q0", "Paris", "paris"), trajectory("nq/test/4", "q4", None, "x")],
+               tmp_path / "other" / "trajectories" / "nq.agent.jsonl")
+    save_jsonl([trajectory("triviaqa/test/7", "same", "x", "Beatles"), trajectory("triviaqa/test/8", "same", "x", "y")],
+               tmp_path / "other" / "trajectories" / "triviaqa.agent.jsonl")
+    with pytest.raises(ValueError, match="same questions"):
+        paired_em(correct, per_question_em(tmp_path / "other"))
     with pytest.raises(FileNotFoundError):
         per_question_em(tmp_path / "missing")
