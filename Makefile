@@ -59,7 +59,7 @@ compare: setup
 	$(PY) -m emapg.cli compare --index $(INDEX) --methods GRPO,EMA-PG $(COMPARE_ARGS)
 
 # GRPO, EMA-k3 and EMA-PG at 200 AdamW steps each, ~1,170 held-out questions, paired tests, the EMA anchors evaluated
-# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); ~19 hours on 2 cores,
+# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); ~8 hours on 2 cores,
 # resumes if interrupted.
 evidence: setup
 	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 50 --index $(INDEX) $(EVIDENCE_ARGS)
