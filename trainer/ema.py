@@ -117,6 +117,12 @@ class EmaAnchor:
             _local(anchor_param).copy_(_local(policy_param).to(dtype=anchor_param.dtype))
 
     @torch.no_grad()
+    def copy_to(self, policy: nn.Module) -> None:
+        """theta <- theta_ema (cast to the policy's dtype), in place: the reverse of reset_to."""
+        for anchor_param, policy_param in zip(self._params, self._policy_params(policy), strict=True):
+            _local(policy_param).copy_(_local(anchor_param).to(dtype=policy_param.dtype))
+
+    @torch.no_grad()
     def distance(self, policy: nn.Module) -> float:
         """L2 norm of (theta_ema - theta) over all parameters, computed in fp32 (for logging). Sharded (FSDP)
         parameters: each rank sums the squares of its own shards, then the ranks' sums are added."""
@@ -270,20 +276,14 @@ def anchor_weights_in(policy: nn.Module, anchor: EmaAnchor | LoraEmaAnchor) -> I
     if not isinstance(anchor, EmaAnchor):
         raise TypeError(f"only a full-weight EmaAnchor can be swapped into the policy, not a {type(anchor).__name__} "
                         "(a LoRA anchor's W0 + D has no adapter form)")
-    weights = anchor.state_dict()
-    named = list(policy.named_parameters())  # tied weights once, as in the anchor's state
-    if [name for name, _ in named] != list(weights):
-        raise ValueError("the policy's parameters do not match the anchor's (names or order differ)")
-    own = {name: param.detach().clone() for name, param in named}
-    try:  # a copy that fails half way is undone too
-        with torch.no_grad():
-            for name, param in named:
-                param.copy_(weights[name])
+    own = [param.detach().clone() for param in policy.parameters()]  # tied weights once, as the anchor holds them
+    try:  # a copy that fails half way (or a policy that does not match the anchor) is undone too
+        anchor.copy_to(policy)
         yield policy
     finally:
         with torch.no_grad():
-            for name, param in named:
-                param.copy_(own[name])
+            for param, saved in zip(policy.parameters(), own, strict=True):
+                param.copy_(saved)
 
 
 def ema_anchor(policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> EmaAnchor | LoraEmaAnchor:
