@@ -29,6 +29,7 @@ from trainer.guard import (
     StepGuard,
     bounds_rule,
     collapse_rules,
+    entropy_rise_rule,
     events_markdown,
     nonfinite_rule,
     read_events,
@@ -85,6 +86,57 @@ def test_default_rules_never_fire_on_a_healthy_noisy_cpu_compare_run():
     rewards = [0.25, 0.09, 0.52, 0.17, 0.12, 0.30, 0.09, 0.14, 0.21, 0.38, 0.10, 0.09, 0.16, 0.27, 0.11, 0.09,
                0.44, 0.13, 0.19, 0.10] * 3
     assert not any(rules for _, rules, _ in observe_rewards(rewards))
+
+
+def observe_entropies(entropies: list[float], **rules) -> list[dict[str, str]]:
+    """Feed an entropy sequence (a flat, healthy reward) to a Guard: the fired rules per iteration."""
+    guard = Guard(GuardSection(**rules), Path("unused"))
+    return [guard.observe(i, {"reward": 0.3, "entropy": h, "kl": 0.01}) for i, h in enumerate(entropies, start=1)]
+
+
+# Per-iteration entropy of two GRPO pilots of configs/cpu_evidence.yaml (artifacts/runs/cpu-evidence-pilot-lr*/grpo/
+# metrics.jsonl, rounded): lr 8e-5 collapsed (held-out EM 0.22 -> 0.015) with its reward flat, lr 2e-5 was healthy.
+PILOT_8E5_ENTROPY = [0.21, 0.2, 0.22, 0.5, 0.86, 0.66, 0.78, 0.52, 0.45, 1.0, 1.53, 1.36, 1.31, 0.95, 0.84, 1.1, 0.95,
+                     1.37, 1.0, 1.68]
+PILOT_2E5_ENTROPY = [0.21, 0.19, 0.17, 0.17, 0.16, 0.17, 0.18, 0.17, 0.16, 0.22, 0.16, 0.21, 0.18, 0.13, 0.22, 0.13,
+                     0.18, 0.16, 0.14, 0.09]
+
+
+def test_entropy_rise_fires_on_the_collapsed_pilot_and_never_on_the_healthy_one():
+    fired = [i for i, rules in enumerate(observe_entropies(PILOT_8E5_ENTROPY), start=1) if "entropy_rise" in rules]
+    # Trailing means of 5 against the first iteration's 0.21: iteration 11's (1.0+0.45+0.52+0.78+1.53)/5 = 0.856 is
+    # 4.08x; iteration 12's 4.63x, ...; the guard's default warm-up (10) holds the rule until iteration 11.
+    assert fired == list(range(11, 21))
+    assert not any(observe_entropies(PILOT_2E5_ENTROPY))
+    assert not any(observe_entropies(PILOT_8E5_ENTROPY, entropy_rise=None))
+
+
+def test_entropy_rise_rule_by_hand():
+    cfg = GuardSection(entropy_rise=3.0, warmup_iterations=2)
+    assert entropy_rise_rule(0.61, 0.2, 3, cfg) == ("entropy (mean of the last 5 iterations) 0.61 > 3.0 x its first "
+                                                    "iteration's 0.2")
+    assert entropy_rise_rule(0.6, 0.2, 3, cfg) is None  # not above
+    assert entropy_rise_rule(0.9, 0.2, 2, cfg) is None  # warm-up
+    assert entropy_rise_rule(0.9, 0.0, 3, cfg) is None  # a start at zero has no multiple to exceed
+
+
+def test_the_entropy_signals_survive_a_checkpoint_and_older_checkpoints_start_them_afresh():
+    guard = Guard(GuardSection(), Path("unused"))
+    for i, h in enumerate([0.3, 0.5, 0.4], start=1):
+        metrics = {"reward": 0.2, "entropy": h}
+        guard.observe(i, metrics)
+    assert metrics["entropy_start"] == 0.3 and metrics["entropy_smoothed"] == pytest.approx(0.4)
+    restored = Guard(GuardSection(), Path("unused"))
+    restored.load_state_dict(copy.deepcopy(guard.state_dict()))
+    after, again = {"reward": 0.2, "entropy": 0.6}, {"reward": 0.2, "entropy": 0.6}
+    guard.observe(4, after)
+    restored.observe(4, again)
+    assert after == again
+    old = Guard(GuardSection(), Path("unused"))
+    old.load_state_dict({"recent_rewards": [0.2], "reward_peak": 0.2, "rollbacks": 0, "lr_scale": 1.0})
+    metrics = {"reward": 0.2, "entropy": 0.6}
+    old.observe(4, metrics)
+    assert metrics["entropy_start"] == 0.6 and metrics["entropy_smoothed"] == 0.6
 
 
 def test_bounds_and_nonfinite_rules():

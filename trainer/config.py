@@ -229,6 +229,11 @@ class GuardSection(Section):
     min_reward_peak: float = Field(0.05, ge=0)
     entropy_min: float | None = Field(None, ge=0)  # nats per model token
     entropy_max: float | None = Field(6.0, gt=0)  # blow-up: a 135M-3B policy samples at ~0.2-2 nats per token
+    # Drift: the entropy's trailing mean (reward_window iterations) above this x the run's first iteration's entropy,
+    # after warm-up. Measured (trailing mean of 5 after iteration 10): the collapsed lr 8e-5 pilot of cpu_evidence
+    # 5.8x; the healthy runs (the other two pilots, the 68 mechanism-study runs that did not collapse) at most 2.4x;
+    # the mechanism study's 7 collapses 1.3-3.6x, which the reward rule catches (docs/benchmarks.md, guard section).
+    entropy_rise: float | None = Field(4.0, gt=1)
     kl_max: float | None = Field(None, gt=0)  # KL to the anchor, per token
     clip_fraction_max: float | None = Field(None, gt=0, le=1)
     zero_variance_max: float | None = Field(None, gt=0, le=1)  # share of groups whose G rewards are all equal
