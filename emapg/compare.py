@@ -11,7 +11,10 @@ evaluations are compared pairwise on the same questions (eval.paired: EM differe
 against SFT and between methods. Writes <run>/compare.md, compare.json and compare.png (reward curves, held-out EM).
 
 A job of hours must survive an interrupted session: run again, it picks up what is on disk (the SFT checkpoint,
-finished evaluations, each method's latest checkpoint) and computes only the rest.
+finished evaluations, each method's latest checkpoint) and computes only the rest. A method whose evaluations are
+all saved is read back without its checkpoints, so a run folder copied without them (to another machine) resumes
+too; the SFT weights' sha256 is recorded at the first run and checked at every later one, so that a remade SFT
+checkpoint that differs cannot pair its evaluations with another start's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ VARIANTS = {
     "EMA-PG": {"ema": {}, "kl": {"estimator": "topk"}},
 }
 SFT = "SFT"
+START_FILE = "sft_start.json"  # in the run folder: the SFT checkpoint every result in it started from
 
 
 def chosen_methods(spec: str) -> list[str]:
@@ -119,6 +123,37 @@ def anchor_eval_dir(run_dir: Path, iteration: int) -> Path:
     return run_dir / f"eval-anchor-{iteration:04d}"
 
 
+def check_start(out: Path, init: Path) -> None:
+    """The SFT checkpoint `init` must be the one the run folder's results started from: the first run records its
+    policy weights' sha256 (from the checkpoint's verified manifest) in <out>/sft_start.json, later runs compare."""
+    from trainer.checkpoint import resolve_checkpoint, verify_checkpoint
+
+    sha256 = verify_checkpoint(resolve_checkpoint(init))["files"]["policy.safetensors"]["sha256"]
+    path = out / START_FILE
+    if not path.exists():
+        path.write_text(json.dumps({"init": str(init), "policy_sha256": sha256}, indent=2) + "\n")
+        return
+    recorded = json.loads(path.read_text())
+    if recorded["policy_sha256"] != sha256:
+        raise ValueError(f"the SFT checkpoint {init} (policy sha256 {sha256[:12]}) is not the one the results in {out} "
+                         f"started from ({recorded['init']}, {recorded['policy_sha256'][:12]}; {path}): pairing them "
+                         "would compare two starts. Use that checkpoint, or a new run folder (name= or out_dir=)")
+
+
+def saved_variant(vcfg, start: dict, eval_every: int) -> tuple[list[tuple[int, dict]], dict | None] | None:
+    """A method every evaluation of which (its anchor's too) an earlier run saved: its results read back, with no
+    engine, trainer or checkpoint needed. None while any is missing."""
+    from eval.harness import EvalReport
+
+    iterations = vcfg.train.iterations
+    folders = {i: vcfg.run_dir / f"eval-{i:04d}" for i in eval_points(eval_every, iterations)}
+    anchor = anchor_eval_dir(vcfg.run_dir, iterations) if vcfg.ema.tau < 1 else None
+    if not all((f / "report.json").exists() for f in [*folders.values(), *([anchor] if anchor else [])]):
+        return None
+    points = [(0, start), *((i, pooled(EvalReport.load(f / "report.json"))) for i, f in folders.items())]
+    return points, pooled(EvalReport.load(anchor / "report.json")) if anchor else None
+
+
 def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
                 eval_every: int) -> tuple[list[tuple[int, dict]], dict | None]:
     """One method from the SFT weights (or its latest checkpoint), evaluated at `eval_points`; then its EMA anchor
@@ -130,6 +165,9 @@ def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, t
     from trainer.loop import Trainer
 
     vcfg = variant_config(cfg, name)
+    if (saved := saved_variant(vcfg, start, eval_every)) is not None:
+        console.print(f"{name}: every evaluation is saved in {vcfg.run_dir}: reusing them")
+        return saved
     set_seed(vcfg.seed)
     policy.load_state_dict(sft_weights)
     engine = LocalEngine(vcfg, policy, tokenizer, backend, client)  # anchor starts at SFT
@@ -243,6 +281,7 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
             console.rule("SFT warm start")
             init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
                            build_sft_data(cfg, client, tokenizer, train))
+        check_start(out, init)
         sft_weights = load_policy_weights(init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)

@@ -14,6 +14,7 @@ from emapg.compare import (
     SFT,
     VARIANTS,
     adamw_steps,
+    check_start,
     chosen_methods,
     comparison_pairs,
     eval_points,
@@ -21,6 +22,7 @@ from emapg.compare import (
     paired_section,
     plot,
     run_compare,
+    saved_variant,
     variant_config,
     work_minutes,
     write_report,
@@ -270,3 +272,53 @@ def test_the_report_pairs_the_final_evaluations_read_from_the_run_folders(tmp_pa
         ("GRPO", SFT, 1, 0), ("EMA-PG", SFT, 3, 1), ("EMA-PG anchor", SFT, 1, 0), ("EMA-PG", "GRPO", 2, 1),
         ("EMA-PG anchor", "EMA-PG", 1, 2)]
     assert saved["final"]["EMA-PG anchor"]["iteration"] == 2 and (cfg.run_dir / "compare.png").is_file()
+
+
+def save_weights(weights: dict[str, torch.Tensor], run_dir):
+    from trainer.checkpoint import Checkpoint, save_checkpoint
+
+    return save_checkpoint(Checkpoint(iteration=0, policy=weights, anchor=weights, optimizer={}, scheduler={}, rng={"torch": torch.get_rng_state()},
+                                      data_cursor={}, config={}), run_dir)
+
+
+def test_a_compare_run_folder_refuses_an_sft_start_that_differs_from_its_first(tmp_path):
+    weights = params(tiny_policy())
+    sft = save_weights(weights, tmp_path / "sft")
+    out = tmp_path / "run"
+    out.mkdir()
+    check_start(out, tmp_path / "sft")  # the first run records it (a run folder or its checkpoint: the same)
+    check_start(out, sft)
+    remade = save_weights(weights, tmp_path / "sft-remade")  # the same weights made again (another machine)
+    check_start(out, remade)
+    moved = {name: w + 1e-7 for name, w in weights.items()}
+    with pytest.raises(ValueError, match="not the one the results in .* started from"):
+        check_start(out, save_weights(moved, tmp_path / "sft-other"))
+    assert json.loads((out / "sft_start.json").read_text())["init"] == str(tmp_path / "sft")
+
+
+def saved_report(folder, em: float) -> dict:
+    from emapg.demo import pooled
+    from eval.harness import DatasetResult, EvalReport, wilson_interval
+
+    report = EvalReport(model="m", subset="answerable", results=[DatasetResult(
+        dataset="nq", mode="agent", n=10, em=em, em_ci95=wilson_interval(em * 10, 10), cover_em=em, f1=em,
+        answered=1.0, well_formed=1.0, text_cover_em=em, mean_searches=1.0, mean_turns=2.0, invalid_action_rate=0.0,
+        mean_response_tokens=50.0, seconds=1.0)], seconds=60.0)
+    report.save(folder)
+    return pooled(report)
+
+
+def test_a_method_with_every_evaluation_saved_is_read_back_and_one_missing_any_is_not(tmp_path):
+    cfg = load_config("configs/cpu_evidence.yaml", [f"out_dir={tmp_path}"])
+    start = {"em": 0.2}
+    grpo, emapg = variant_config(cfg, "GRPO"), variant_config(cfg, "EMA-PG")
+    assert saved_variant(grpo, start, 50) is None
+    at_50, at_100 = saved_report(grpo.run_dir / "eval-0050", 0.3), saved_report(grpo.run_dir / "eval-0100", 0.4)
+    assert saved_variant(grpo, start, 50) == ([(0, start), (50, at_50), (100, at_100)], None)
+    assert saved_variant(grpo, start, 30) is None  # 30, 60 and 90 were never evaluated
+    saved_report(emapg.run_dir / "eval-0050", 0.3)
+    policy = saved_report(emapg.run_dir / "eval-0100", 0.5)
+    assert saved_variant(emapg, start, 50) is None  # its anchor's evaluation is missing
+    anchor = saved_report(emapg.run_dir / "eval-anchor-0100", 0.6)
+    points, saved_anchor = saved_variant(emapg, start, 50)
+    assert points[-1] == (100, policy) and saved_anchor == anchor
