@@ -127,6 +127,17 @@ def trainer_logprobs(model, trajectories, temperature: float = 1.0) -> tuple[tor
     return ours, batch.sampler_logprobs[batch.loss_mask]
 
 
+def test_the_cpu_worker_gets_every_core_of_a_two_core_machine_unless_told_otherwise():
+    from agent.vllm_backend import cpu_worker_binding
+
+    assert cpu_worker_binding({0, 1}, None) == "0,1"
+    assert cpu_worker_binding({3, 1}, None) == "1,3"  # this process's CPUs, whichever they are
+    assert cpu_worker_binding({0}, None) == "0"
+    assert cpu_worker_binding({0, 1}, "auto") is None  # a binding the user set stands
+    assert cpu_worker_binding({0, 1}, "nobind") is None
+    assert cpu_worker_binding(set(range(8)), None) is None  # more cores: vLLM's automatic binding
+
+
 def test_the_cpu_default_kv_cache_is_sized_in_bytes_not_as_a_share_of_memory(engine, search_model):
     from agent.vllm_backend import DEFAULT_CPU_KV_CACHE_GIB, kv_bytes_per_token
 
