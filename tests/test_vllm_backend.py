@@ -305,3 +305,16 @@ def test_emapg_train_rolls_out_on_vllm_by_default(engine_folder, server_url, tmp
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in metrics), metrics
     assert metrics[0]["searches"] > 0  # the memorised question searches, through the real server
+
+
+def test_seeded_prompts_longer_together_than_one_step_all_finish_on_cpu(engine):
+    """Three 1,500-token prompts arrive at once, sampled with seeds as rollouts are: 4,500 tokens, more than one step
+    takes (2,048 here). With chunked prefill, vLLM prefilled part of the second one, discarded its sampled token and
+    rewound its seeded generator with set_offset, which CPU generators lack: the engine died ("CPU Generator does not
+    use offset"; it stopped the evidence run at GRPO iteration 18). On CPU every prompt is prefilled whole."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA generators rewind: chunked prefill stays on GPUs")
+    assert not engine.engine.vllm_config.scheduler_config.enable_chunked_prefill
+    prompts = [[1, *range(100 + 10 * i, 1600 + 10 * i)] for i in range(3)]
+    generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=3), [])
+    assert [len(g.token_ids) for g in generations] == [4, 4, 4]
