@@ -200,7 +200,7 @@ class VLLMBackend:
             model=model_path, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_budget, max_model_len=max_model_len,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_logprobs=max_logprobs,
-            enable_chunked_prefill=not on_cpu, max_num_batched_tokens=max_model_len if on_cpu else None,
+            enable_chunked_prefill=False if on_cpu else None, max_num_batched_tokens=max_model_len if on_cpu else None,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
         self.loop = asyncio.new_event_loop()
