@@ -125,10 +125,12 @@ def anchor_eval_dir(run_dir: Path, iteration: int) -> Path:
 
 def check_start(out: Path, init: Path) -> None:
     """The SFT checkpoint `init` must be the one the run folder's results started from: the first run records its
-    policy weights' sha256 (from the checkpoint's verified manifest) in <out>/sft_start.json, later runs compare."""
-    from trainer.checkpoint import resolve_checkpoint, verify_checkpoint
+    policy weights' sha256 (from the checkpoint's manifest, which load_policy_weights has verified the files
+    against) in <out>/sft_start.json, later runs compare."""
+    from trainer.checkpoint import MANIFEST, resolve_checkpoint
 
-    sha256 = verify_checkpoint(resolve_checkpoint(init))["files"]["policy.safetensors"]["sha256"]
+    manifest = json.loads((resolve_checkpoint(init) / MANIFEST).read_text())
+    sha256 = manifest["files"]["policy.safetensors"]["sha256"]
     path = out / START_FILE
     if not path.exists():
         path.write_text(json.dumps({"init": str(init), "policy_sha256": sha256}, indent=2) + "\n")
@@ -281,8 +283,8 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
             console.rule("SFT warm start")
             init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
                            build_sft_data(cfg, client, tokenizer, train))
-        check_start(out, init)
         sft_weights = load_policy_weights(init)
+        check_start(out, init)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(sft_weights)
         backend = rollout_backend(cfg, tokenizer, policy)  # one engine for every method's rollouts and evaluations
