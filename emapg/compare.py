@@ -105,13 +105,19 @@ def held_out_eval(cfg, weights: AbstractContextManager, tokenizer, client, test,
                   backend) -> dict:
     """Pooled held-out EM of the policy `weights` gives (entered only if needed), or of the evaluation an earlier
     (interrupted) run saved in `out_dir`."""
-    from eval.harness import EvalReport
-
-    if (out_dir / "report.json").exists():
+    if (row := saved_eval(out_dir)) is not None:
         console.print(f"{name}: reusing {out_dir / 'report.json'}")
-        return pooled(EvalReport.load(out_dir / "report.json"))
+        return row
     with weights as policy:
         return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out", backend))
+
+
+def saved_eval(out_dir: Path) -> dict | None:
+    """The pooled row of the evaluation an earlier run saved in `out_dir`, or None if it has none."""
+    from eval.harness import EvalReport
+
+    path = out_dir / "report.json"
+    return pooled(EvalReport.load(path)) if path.exists() else None
 
 
 def eval_points(eval_every: int, iterations: int) -> list[int]:
@@ -145,15 +151,12 @@ def check_start(out: Path, init: Path) -> None:
 def saved_variant(vcfg, start: dict, eval_every: int) -> tuple[list[tuple[int, dict]], dict | None] | None:
     """A method every evaluation of which (its anchor's too) an earlier run saved: its results read back, with no
     engine, trainer or checkpoint needed. None while any is missing."""
-    from eval.harness import EvalReport
-
     iterations = vcfg.train.iterations
-    folders = {i: vcfg.run_dir / f"eval-{i:04d}" for i in eval_points(eval_every, iterations)}
-    anchor = anchor_eval_dir(vcfg.run_dir, iterations) if vcfg.ema.tau < 1 else None
-    if not all((f / "report.json").exists() for f in [*folders.values(), *([anchor] if anchor else [])]):
+    rows = {i: saved_eval(vcfg.run_dir / f"eval-{i:04d}") for i in eval_points(eval_every, iterations)}
+    anchor = saved_eval(anchor_eval_dir(vcfg.run_dir, iterations)) if vcfg.ema.tau < 1 else None
+    if None in rows.values() or (vcfg.ema.tau < 1 and anchor is None):
         return None
-    points = [(0, start), *((i, pooled(EvalReport.load(f / "report.json"))) for i, f in folders.items())]
-    return points, pooled(EvalReport.load(anchor / "report.json")) if anchor else None
+    return [(0, start), *rows.items()], anchor
 
 
 def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
