@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from test_learner import ragged_trajectories
+from test_learner import grouped_trajectories, ragged_trajectories
 from transformers import set_seed
 
 from agent.policy import load_policy
@@ -56,7 +56,9 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
     checkpointing = f"train.gradient_checkpointing={strategy == 'fsdp'}"
     cfg = ray_config(tmp_path, tiny_model_dir, f"distributed.strategy={strategy}", checkpointing,
                      f"lora.rank={4 if lora else 0}", "lora.alpha=8")
-    trajectories = ragged_trajectories(len(tokenizer), n=8)
+    # Rows that share prefixes (DDP's learner runs those once, FSDP's whole: train.share_prefix) and rows that
+    # share none.
+    trajectories = grouped_trajectories(len(tokenizer)) + ragged_trajectories(len(tokenizer), n=2)
     advantages = torch.linspace(-1.0, 1.0, 8)
     batch = collate(trajectories, advantages, pad_id=0)
 

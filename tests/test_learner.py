@@ -220,3 +220,81 @@ def test_chunked_logprobs_give_the_full_logits_losses_and_gradients(tiny_model, 
     assert full_grad.abs().sum() > 0
     for g in (grad, unchunked_grad):
         torch.testing.assert_close(g, full_grad, rtol=1e-4, atol=1e-5 * float(full_grad.abs().max()))
+
+
+def grouped_trajectories(vocab: int) -> list[Trajectory]:
+    """Two questions, three rollouts each: a group's rows share their prompt; two of each group's rows also begin
+    their response alike (the same search and documents), then part; lengths differ."""
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    out = []
+    for q, prompt_len in enumerate((5, 8)):
+        prompt, search, documents = ids(prompt_len), ids(3), ids(4)
+        for r in range(3):
+            traj = Trajectory(uid=f"q{q}#{r}", group_id=f"q{q}", question="q", golden_answers=["a"],
+                              prompt_ids=prompt)
+            first = search if r < 2 else ids(3)
+            traj.append(first, model=True, logprobs=[-1.0] * len(first))
+            traj.append(documents if r < 2 else ids(4), model=False)
+            answer = ids(2 + r + q)
+            traj.append(answer, model=True, logprobs=[-1.0] * len(answer))
+            out.append(traj)
+    return out
+
+
+def test_shared_prefix_width_and_order(tokenizer):
+    from trainer.batch import prefix_order, shared_prefix_width
+
+    trajs = grouped_trajectories(len(tokenizer))
+    batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
+    width = batch.prompt_width  # 8: the longer prompt; the first group's is left-padded by 3
+    assert shared_prefix_width(batch) == 0  # left padding differs between the groups
+    assert shared_prefix_width(batch.select(torch.tensor([0, 1, 2]))) == width  # the prompt, padding included
+    assert shared_prefix_width(batch.select(torch.tensor([3, 4]))) == width + 3 + 4  # + the same search, documents
+    one = batch.select(torch.tensor([4]))
+    assert shared_prefix_width(one) == one.input_ids.shape[1] - 1  # a row alone: all but its last column
+    order = prefix_order(batch).tolist()
+    assert sorted(order) == list(range(6))
+    for group in ({0, 1}, {3, 4}, {0, 1, 2}, {3, 4, 5}):  # rows that share most are neighbours
+        positions = sorted(order.index(r) for r in group)
+        assert positions[-1] - positions[0] == len(group) - 1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefix_passes_give_the_whole_rows_values_and_gradient(tiny_model, tokenizer, checkpointing):
+    """share_prefix runs the rows' common columns once; pi_old, the anchor's values and the gradient must equal the
+    whole-rows passes', while the decoder sees fewer token rows (counted at layer 0's MLP). Under activation
+    checkpointing the training pass runs whole rows (transformers drops the cache there), prepare still shares."""
+    trajs = grouped_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    grads, prepared, tokens = [], [], []
+    for share in (False, True):
+        model = copy.deepcopy(tiny_model)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        torch.manual_seed(0)
+        learner = make_learner(model, 3, "token-mean", "topk", f"train.share_prefix={share}")
+        seen, mlp = [], model.get_decoder().layers[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x, seen=seen, forward=forward: seen.append(x.shape[0] * x.shape[1]) or forward(x)
+        batch = learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id))
+        prepare_tokens = sum(seen)
+        learner.update(batch, torch.Generator().manual_seed(0))
+        del mlp.forward
+        # Whole-rows passes over this learner's micro-batches: what the update costs without sharing (x 2: the
+        # checkpointed backward runs each layer again).
+        whole_rows = sum(len(r) * batch.select(r).input_ids.shape[1] for r in learner.micro_rows(batch))
+        tokens.append((prepare_tokens, sum(seen) - prepare_tokens, whole_rows * (2 if checkpointing else 1)))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        prepared.append((batch.old_logprobs, batch.ref_token_logprob, batch.topk_ids, batch.ref_topk_logprobs))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+    assert grads[0].abs().sum() > 0
+    for a, b in zip(prepared[1], prepared[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (whole_prepare, whole_update, whole_rows), (shared_prepare, shared_update, shared_whole_rows) = tokens
+    assert whole_update == whole_rows
+    assert shared_prepare < whole_prepare
+    assert shared_update == shared_whole_rows if checkpointing else shared_update < shared_whole_rows

@@ -101,13 +101,49 @@ def collate(trajectories: list[Trajectory], advantages: Tensor, pad_id: int) -> 
     return RolloutBatch(input_ids, attention, positions, response, loss_mask, sampler, advantages.float(), width_p)
 
 
-def response_hidden(model, batch: RolloutBatch, only: Tensor | None = None) -> Tensor:
+def shared_prefix_width(batch: RolloutBatch) -> int:
+    """How many leading columns every row has alike (ids and mask): the prompt, for rollouts of one question, and
+    more where they also began their response alike (the same search, so the same documents). At most all but the
+    last column, so that each row keeps at least one column of its own; 0 where the common columns are padding alone
+    (prompts of one length), which would save nothing."""
+    same = ((batch.input_ids == batch.input_ids[:1]) & (batch.attention_mask == batch.attention_mask[:1])).all(0)
+    width = min(int(same.long().cumprod(0).sum()), batch.input_ids.shape[1] - 1)
+    return width if int(batch.attention_mask[0, :width].sum()) else 0
+
+
+def prefix_order(batch: RolloutBatch) -> Tensor:
+    """The rows in lexicographic order of their (left-padded) ids: rows that share a prefix sit next to each other,
+    so that micro-batches cut from this order share as much of one as the batch allows."""
+    rows = [(ids, mask) for ids, mask in zip(batch.input_ids.tolist(), batch.attention_mask.tolist(), strict=True)]
+    return torch.tensor(sorted(range(len(rows)), key=rows.__getitem__), dtype=torch.long)
+
+
+def decoder_states(model, batch: RolloutBatch, share_prefix: bool = False) -> Tensor:
+    """(N, P + T, H) final hidden states. With `share_prefix`, the columns every row has alike
+    (`shared_prefix_width`) run once, as one row whose keys and values every row's rest attends to: the same causal
+    attention over the same tokens, so the same states (up to float rounding) for less compute; gradients reach the
+    shared pass through the repeated cache. Not in a training pass under activation checkpointing, where
+    transformers drops the cache from checkpointed layers."""
+    decoder = model.get_decoder()
+    width = shared_prefix_width(batch) if share_prefix and len(batch) > 1 else 0
+    if width and model.training and getattr(model, "is_gradient_checkpointing", False):
+        width = 0
+    if width == 0:  # no KV cache: nothing is generated here, and a cache would hold every layer's K/V
+        return decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    shared = decoder(input_ids=batch.input_ids[:1, :width], attention_mask=batch.attention_mask[:1, :width],
+                     position_ids=batch.position_ids[:1, :width], use_cache=True)
+    cache = shared.past_key_values
+    cache.batch_repeat_interleave(len(batch))
+    rest = decoder(input_ids=batch.input_ids[:, width:], attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids[:, width:], past_key_values=cache, use_cache=True)
+    return torch.cat([shared.last_hidden_state.expand(len(batch), -1, -1), rest.last_hidden_state], dim=1)
+
+
+def response_hidden(model, batch: RolloutBatch, only: Tensor | None = None, share_prefix: bool = False) -> Tensor:
     """(N, T, H) final hidden states predicting each response token, or with `only` (an (N, T) bool mask) the (M, H)
     states at those positions alone: the LM head never runs where nothing is learned (observations)."""
-    hidden = model.get_decoder()(  # no KV cache: nothing is generated here, and a cache would hold every layer's K/V
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
+    hidden = decoder_states(model, batch, share_prefix)
     p, t = batch.prompt_width, batch.response_ids.shape[1]
     hidden = hidden[:, p - 1 : p - 1 + t]
     return hidden if only is None else hidden[only]
@@ -124,18 +160,20 @@ class ResponseLogprobs(torch.nn.Module):
     """Per-token log-prob statistics of `model` at a micro-batch's model tokens (loss_mask), as a module: DDP syncs
     gradients only for passes through its wrapper's forward, and FSDP gathers a root's weights in the root's
     forward, so the learner wraps this (not the causal LM, whose own forward would build the prompt's logits too).
-    `chunk_tokens` > 0: the LM head runs that many tokens at a time (trainer.logprobs), never on all of them."""
+    `chunk_tokens` > 0: the LM head runs that many tokens at a time (trainer.logprobs), never on all of them;
+    `share_prefix`: the rows' common leading columns run once (`decoder_states`)."""
 
-    def __init__(self, model, temperature: float = 1.0, chunk_tokens: int = 0):
+    def __init__(self, model, temperature: float = 1.0, chunk_tokens: int = 0, share_prefix: bool = False):
         super().__init__()
         self.model = model
         self.temperature = temperature or 1.0  # greedy (0) evaluates at temperature 1
         self.chunk_tokens = chunk_tokens
+        self.share_prefix = share_prefix
 
     def forward(self, batch: RolloutBatch, ids: Tensor | None = None, **options) -> TokenLogprobs | Tensor:
         """`token_logprobs` at the (M, n) `ids` of the micro-batch's M model tokens (options: entropy, entropy_grad,
         topk, reference, direction); without `ids`, the (M, H) hidden states there (the exact KL's reference)."""
-        hidden = response_hidden(self.model, batch, only=batch.loss_mask)
+        hidden = response_hidden(self.model, batch, only=batch.loss_mask, share_prefix=self.share_prefix)
         if ids is None:
             return hidden
         return token_logprobs(hidden, self.model.get_output_embeddings(), ids, temperature=self.temperature,

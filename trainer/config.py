@@ -111,6 +111,12 @@ class TrainSection(Section):
     # recomputing each chunk's logits in the backward pass: at most chunk x V logits alive instead of every token's
     # (V = 151,936 for Qwen: ~0.6 MB per token in fp32). 0 = all of a micro-batch's tokens at once.
     logprob_chunk_tokens: int = Field(256, ge=0)
+    # Rows of a micro-batch that begin alike (rollouts of one question: the prompt, and the documents too where they
+    # searched alike) run those columns once through the decoder, the rest attending to its cached keys and values:
+    # the same states and gradients for less compute. Micro-batches are then cut from the rows in lexicographic
+    # order (rows sharing a prefix side by side) instead of by length. False (and always under FSDP, whose ranks
+    # must run the same passes): every row runs whole, length-sorted.
+    share_prefix: bool = True
 
     @field_validator("aggregation")
     @classmethod

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, scatter_tokens
+from trainer.batch import PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, prefix_order, scatter_tokens
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.guard import StepGuard
@@ -93,6 +93,10 @@ class Learner:
         # The learner's setting, also on wrappers made elsewhere (fsdp_logits).
         self.policy_logits.chunk_tokens = self.anchor_logits.chunk_tokens = train.logprob_chunk_tokens
         self.sharded = hasattr(self.policy_logits, "set_requires_gradient_sync")  # an FSDP2 module
+        # FSDP's ranks gather each layer's weights together, so they must run the same passes: a micro-batch that
+        # shares a prefix runs the decoder twice. Off there.
+        self.share_prefix = train.share_prefix and not self.sharded
+        self.policy_logits.share_prefix = self.anchor_logits.share_prefix = self.share_prefix
         if self.distributed and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -128,8 +132,14 @@ class Learner:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return None if int(first) == sentinel else int(first)
 
+    def micro_rows(self, batch: RolloutBatch) -> list[Tensor]:
+        """The batch's micro-batches (row indices): cut from the rows in prefix order where the learner shares prefixes,
+        else by length (each micro-batch is cut to its longest response, so length-sorted ones pad least)."""
+        order = prefix_order(batch) if self.share_prefix else batch.response_lengths().argsort()
+        return micro_batches(order, self.train.micro_batch_size)
+
     def my_share(self, micro_rows: list) -> list:
-        """This rank's micro-batches: every world_size-th (they are length-sorted, so ranks get similar work)."""
+        """This rank's micro-batches: every world_size-th (neighbours in the order, so ranks get similar work)."""
         return micro_rows[self.rank :: self.world_size]
 
     @torch.no_grad()
@@ -145,7 +155,7 @@ class Learner:
         ref_topk_logprobs = torch.zeros(n, width, k, device=device)
         ref_token_logprob = torch.zeros(n, width, device=device)
         self.policy.eval()
-        for rows in self.my_share(micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)):
+        for rows in self.my_share(self.micro_rows(batch)):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
@@ -243,9 +253,7 @@ class Learner:
             for mini_rows in micro_batches(order, self.train.mini_batch_size):
                 mini = batch.select(mini_rows)
                 self.optimizer.zero_grad(set_to_none=True)
-                # Length-sorted micro-batches pad less (select() cuts each to its longest response); the
-                # accumulated gradient is the same sum in any order.
-                micro_rows = micro_batches(mini.response_lengths().argsort(), self.train.micro_batch_size)
+                micro_rows = self.micro_rows(mini)  # the accumulated gradient is the same sum in any grouping
                 shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
                 mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
                 micro_totals: dict[str, float] = defaultdict(float)  # this step's; kept only if the step is taken
