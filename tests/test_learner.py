@@ -84,7 +84,8 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradient(ti
         if checkpointing:
             enable_gradient_checkpointing(model)
         torch.manual_seed(0)
-        learner = make_learner(model, 3, "token-mean")
+        # Length-sorted micro-batches (no prefix sharing: its splits are tested below), so 2 of 3 rows.
+        learner = make_learner(model, 3, "token-mean", "topk", "train.share_prefix=false")
         batch = collate(trajs, advantages, tokenizer.pad_token_id)
         batch = learner.prepare(batch)
         calls, mlp = [], model.get_decoder().layers[0].mlp
@@ -261,6 +262,39 @@ def test_shared_prefix_width_and_order(tokenizer):
     for group in ({0, 1}, {3, 4}, {0, 1, 2}, {3, 4, 5}):  # rows that share most are neighbours
         positions = sorted(order.index(r) for r in group)
         assert positions[-1] - positions[0] == len(group) - 1
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_prefix_micro_batches_are_the_cheapest_runs_of_the_prefix_order(tokenizer, size):
+    """Against every split of the prefix order into runs of at most `size` rows, each priced from the micro-batch
+    itself (shared_prefix_width and the width select() cuts it to)."""
+    from trainer.batch import pass_cost, prefix_micro_batches, prefix_order, shared_prefix_width
+
+    trajs = grouped_trajectories(len(tokenizer)) + ragged_trajectories(len(tokenizer), n=3)
+    batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
+    order = prefix_order(batch)
+    overhead = batch.prompt_width + float(batch.response_lengths().float().mean())
+
+    def cost(runs) -> float:
+        total = 0.0
+        for rows in runs:
+            mb = batch.select(rows)
+            shared = shared_prefix_width(mb) if len(rows) > 1 else 0
+            total += pass_cost(len(rows), mb.input_ids.shape[1], shared, overhead)
+        return total
+
+    def splits(rows):
+        if not len(rows):
+            yield []
+        for k in range(1, min(size, len(rows)) + 1):
+            for rest in splits(rows[k:]):
+                yield [rows[:k], *rest]
+
+    runs = prefix_micro_batches(batch, size)
+    assert sorted(torch.cat(runs).tolist()) == list(range(len(trajs))) and max(map(len, runs)) <= size
+    assert cost(runs) == pytest.approx(min(cost(split) for split in splits(order)))
+    if size >= 3:  # a question's three rollouts share their prompt: one micro-batch each
+        assert {frozenset(r.tolist()) for r in runs} >= {frozenset({0, 1, 2}), frozenset({3, 4, 5})}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

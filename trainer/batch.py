@@ -10,6 +10,7 @@ once.
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -112,10 +113,48 @@ def shared_prefix_width(batch: RolloutBatch) -> int:
 
 
 def prefix_order(batch: RolloutBatch) -> Tensor:
-    """The rows in lexicographic order of their (left-padded) ids: rows that share a prefix sit next to each other,
-    so that micro-batches cut from this order share as much of one as the batch allows."""
+    """The rows in lexicographic order of their (left-padded) ids: rows that share a prefix sit next to each other."""
     rows = [(ids, mask) for ids, mask in zip(batch.input_ids.tolist(), batch.attention_mask.tolist(), strict=True)]
     return torch.tensor(sorted(range(len(rows)), key=rows.__getitem__), dtype=torch.long)
+
+
+def pass_cost(rows: int, width: int, shared: int, overhead: float) -> float:
+    """Token rows one decoder pass over a micro-batch runs: its shared columns once, the rest of each row, plus a
+    fixed `overhead` per pass (in token rows) so that rows with nothing to share still fill a micro-batch."""
+    return shared + rows * (width - shared) + overhead
+
+
+def prefix_micro_batches(batch: RolloutBatch, size: int) -> list[Tensor]:
+    """Micro-batches of at most `size` rows, runs of `prefix_order`, chosen to minimise the token rows the decoder
+    runs (`pass_cost`, one mean row of overhead per pass): dynamic programming over where each run ends. A run's
+    shared width is what `shared_prefix_width` finds for it (the smallest common prefix of neighbours in the
+    order); its width is the prompt's plus its longest response (`select` cuts it there)."""
+    order = prefix_order(batch)
+    n = len(order)
+    ids, mask = batch.input_ids[order], batch.attention_mask[order]
+    lengths = batch.response_lengths()[order].tolist()
+    common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()  # neighbours'
+    real = mask.cumsum(1)  # real[r, c - 1]: the real (unpadded) tokens of row r's first c columns
+    overhead = batch.prompt_width + sum(lengths) / max(n, 1)
+    best, start = [0.0] + [math.inf] * n, [0] * (n + 1)  # best[j]: the cheapest split of the first j rows
+    for end in range(1, n + 1):
+        shared, longest = math.inf, 0
+        for first in range(end - 1, max(end - size, 0) - 1, -1):  # the run first .. end - 1
+            longest = max(longest, lengths[first])
+            width = batch.prompt_width + max(longest, 1)
+            if first < end - 1:
+                shared = min(shared, common[first])
+            s = 0 if first == end - 1 else min(shared, width - 1)
+            if s and not int(real[first, s - 1]):
+                s = 0  # padding alone: nothing shared (shared_prefix_width)
+            cost = best[first] + pass_cost(end - first, width, s, overhead)
+            if cost < best[end]:
+                best[end], start[end] = cost, first
+    runs, end = [], n
+    while end:
+        runs.append(order[start[end] : end])
+        end = start[end]
+    return runs[::-1]
 
 
 def decoder_states(model, batch: RolloutBatch, share_prefix: bool = False) -> Tensor:

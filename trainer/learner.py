@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, prefix_order, scatter_tokens
+from trainer.batch import (PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, prefix_micro_batches,
+                           scatter_tokens)
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.guard import StepGuard
@@ -133,10 +134,11 @@ class Learner:
         return None if int(first) == sentinel else int(first)
 
     def micro_rows(self, batch: RolloutBatch) -> list[Tensor]:
-        """The batch's micro-batches (row indices): cut from the rows in prefix order where the learner shares prefixes,
-        else by length (each micro-batch is cut to its longest response, so length-sorted ones pad least)."""
-        order = prefix_order(batch) if self.share_prefix else batch.response_lengths().argsort()
-        return micro_batches(order, self.train.micro_batch_size)
+        """The batch's micro-batches (row indices): runs of rows that share prefixes where the learner shares them,
+        else length-sorted (each micro-batch is cut to its longest response, so length-sorted ones pad least)."""
+        if self.share_prefix:
+            return prefix_micro_batches(batch, self.train.micro_batch_size)
+        return micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)
 
     def my_share(self, micro_rows: list) -> list:
         """This rank's micro-batches: every world_size-th (neighbours in the order, so ranks get similar work)."""
