@@ -60,11 +60,13 @@ compare: setup
 
 # GRPO, EMA-k3 and EMA-PG at 200 AdamW steps each, ~1,170 held-out questions, paired tests, the EMA anchors evaluated
 # (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); 8-10 hours on 2 cores,
-# resumes if interrupted. EVIDENCE_OUT: the folder of its run folder (outside the checkout, it outlives a fresh clone).
+# resumes if interrupted. EVIDENCE_OUT: the folder of its run folder (outside the checkout, it outlives a fresh clone);
+# EVIDENCE_NAME: the run folder's name (one per SFT start: a CPU of another kind remakes a different SFT).
 EVIDENCE_OUT ?= artifacts/runs
+EVIDENCE_NAME ?= cpu-evidence
 evidence: setup
 	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 50 --index $(INDEX) \
-	  out_dir=$(EVIDENCE_OUT) $(EVIDENCE_ARGS)
+	  out_dir=$(EVIDENCE_OUT) name=$(EVIDENCE_NAME) $(EVIDENCE_ARGS)
 
 # The evidence run's record, small enough to commit (its checkpoints are ~2 GB each): every finished evaluation (its
 # report and trajectories: what the paired tests read) packed once into a file of its own, and each method's training
@@ -73,13 +75,13 @@ evidence: setup
 EVIDENCE_RECORD ?= docs/evidence
 evidence-record:
 	mkdir -p $(EVIDENCE_RECORD)
-	record=$$(realpath $(EVIDENCE_RECORD)); cd $(EVIDENCE_OUT) && \
-	for eval in cpu-evidence/eval-* cpu-evidence/*/eval-*; do \
+	record=$$(realpath $(EVIDENCE_RECORD)); run=$(EVIDENCE_NAME); cd $(EVIDENCE_OUT) && \
+	for eval in $$run/eval-* $$run/*/eval-*; do \
 	  packed=$$record/$$(echo $$eval | tr / _).tar.gz; \
 	  if [ -f $$eval/report.json ] && [ ! -f $$packed ]; then tar -czf $$packed $$eval; fi; \
 	done; \
-	tar -czf $$record/cpu-evidence_logs.tar.gz cpu-evidence/sft_start.json $$(ls cpu-evidence/*/metrics.jsonl \
-	  cpu-evidence/*/guard_events.jsonl cpu-evidence/compare.* 2>/dev/null)
+	tar -czf $$record/$${run}_logs.tar.gz $$run/sft_start.json $$(ls $$run/*/metrics.jsonl \
+	  $$run/*/guard_events.jsonl $$run/compare.* 2>/dev/null)
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for
