@@ -113,9 +113,9 @@ class TrainSection(Section):
     logprob_chunk_tokens: int = Field(256, ge=0)
     # Rows of a micro-batch that begin alike (rollouts of one question: the prompt, and the documents too where they
     # searched alike) run those columns once through the decoder, the rest attending to its cached keys and values:
-    # the same states and gradients for less compute. Micro-batches are then cut from the rows in lexicographic
-    # order (rows sharing a prefix side by side) instead of by length. False (and always under FSDP, whose ranks
-    # must run the same passes): every row runs whole, length-sorted.
+    # the same states and gradients for less compute. Micro-batches are then runs of the rows in lexicographic order
+    # (rows sharing a prefix side by side), split where the decoder computes fewest tokens, instead of by length.
+    # False (and always under FSDP, whose ranks must run the same passes): every row runs whole, length-sorted.
     share_prefix: bool = True
 
     @field_validator("aggregation")
