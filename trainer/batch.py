@@ -134,7 +134,7 @@ def prefix_micro_batches(batch: RolloutBatch, size: int) -> list[Tensor]:
     ids, mask = batch.input_ids[order], batch.attention_mask[order]
     lengths = batch.response_lengths()[order].tolist()
     common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()  # neighbours'
-    real = mask.cumsum(1)  # real[r, c - 1]: the real (unpadded) tokens of row r's first c columns
+    left_pad = (mask.cumsum(1) == 0).sum(1).tolist()  # each row's leading padding columns (as lists: no device reads)
     overhead = batch.prompt_width + sum(lengths) / max(n, 1)
     best, start = [0.0] + [math.inf] * n, [0] * (n + 1)  # best[j]: the cheapest split of the first j rows
     for end in range(1, n + 1):
@@ -145,7 +145,7 @@ def prefix_micro_batches(batch: RolloutBatch, size: int) -> list[Tensor]:
             if first < end - 1:
                 shared = min(shared, common[first])
             s = 0 if first == end - 1 else min(shared, width - 1)
-            if s and not int(real[first, s - 1]):
+            if s <= left_pad[first]:
                 s = 0  # padding alone: nothing shared (shared_prefix_width)
             cost = best[first] + pass_cost(end - first, width, s, overhead)
             if cost < best[end]:
