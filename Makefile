@@ -65,7 +65,7 @@ compare: setup
 EVIDENCE_OUT ?= artifacts/runs
 EVIDENCE_NAME ?= cpu-evidence
 evidence: setup
-	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 50 --index $(INDEX) \
+	$(PY) -m emapg.cli compare --config configs/cpu_evidence.yaml --eval-every 100 --index $(INDEX) \
 	  out_dir=$(EVIDENCE_OUT) name=$(EVIDENCE_NAME) $(EVIDENCE_ARGS)
 
 # The evidence run's record, small enough to commit (its checkpoints are ~2 GB each): every finished evaluation (its

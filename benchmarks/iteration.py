@@ -1,9 +1,11 @@
 """One RL iteration of configs/cpu_compare.yaml and one held-out evaluation, the old way (transformers backend, the
-per-turn loop: every trajectory waits for the batch's turn, then for one /retrieve for all) against the new way
-(vLLM, continuous rollouts: one coroutine per trajectory), in one run from one SFT checkpoint. Prints one JSON line.
+per-turn loop: every trajectory waits for the batch's turn, then for one /retrieve for all; whole-row learner passes)
+against the new way (vLLM, continuous rollouts: one coroutine per trajectory; shared-prefix learner passes), in one
+run from one SFT checkpoint. Prints one JSON line; `iteration_new_over_old_same_learner_estimate` says how much of
+the iteration's ratio the rollouts give alone.
 
     python benchmarks/iteration.py --init artifacts/runs/cpu-demo/sft --index artifacts/indexes/wiki-minilm-flat \
-        [--config configs/cpu_compare.yaml] [--iterations 3] [--retriever-url http://127.0.0.1:8000]
+        [--config configs/cpu_compare.yaml] [--iterations 3] [--retriever-url http://127.0.0.1:8000] [--skip-evaluation]
 
 Both ways start from the same SFT weights with the same seeds, so they train on the same prompts; their iterations
 alternate (new, old, new, old, ...) so that a change in the machine's load hits both. Per phase the median over
@@ -35,7 +37,11 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ["time_weight_sync_s", "time_rollout_s", "rollout_retrieval_wait_s", "time_prepare_s", "time_update_s",
           "time_ema_s"]
-WAYS = {"new": "vllm", "old": "transformers"}  # in this order: a vLLM problem shows first
+# Each way's config overrides, in this order (a vLLM problem shows first). The old way is the iteration as it ran when
+# issue 13 was filed: transformers rollouts with the per-turn barrier, and whole-row learner passes (shared-prefix
+# passes are issue 13's "less learner work per iteration"). The new way is the defaults.
+WAYS = {"new": {"rollout.backend": "vllm"},
+        "old": {"rollout.backend": "transformers", "train.share_prefix": "false"}}
 
 
 class EngineTokenCounter:
@@ -120,11 +126,18 @@ def iterations(ways: dict, count: int) -> dict:
                 t = way["trainer"].cfg.train
                 generated += way["counter"].tokens - before
                 kept += metrics["response_tokens"] * t.prompts_per_iteration * t.rollouts_per_prompt
-    result = {name: {"backend": WAYS[name], "iteration_s": statistics.median(r["iteration_s"] for r in per_iteration),
+    result = {name: {"overrides": WAYS[name], "iteration_s": statistics.median(r["iteration_s"] for r in per_iteration),
                      "phases_s": {p: round(statistics.median(r[p] for r in per_iteration), 2) for p in PHASES},
                      "per_iteration": per_iteration}
               for name, per_iteration in runs.items()}
     result["iteration_new_over_old"] = round(result["new"]["iteration_s"] / result["old"]["iteration_s"], 3)
+    # How much of that the rollouts give alone: the old way's iterations with the new way's learner phases in place of
+    # its own (an estimate from the phases, not a run).
+    learner = ["time_prepare_s", "time_update_s"]
+    same_learner = [o["iteration_s"] - sum(o[p] for p in learner) + sum(n[p] for p in learner)
+                    for o, n in zip(runs["old"], runs["new"], strict=True)]
+    result["iteration_new_over_old_same_learner_estimate"] = round(
+        result["new"]["iteration_s"] / statistics.median(same_learner), 3)
     result["rollout_generated_per_kept"] = round(generated / kept, 3)
     return result
 
@@ -137,6 +150,8 @@ def main() -> None:
     ap.add_argument("--retriever-url", default=None)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu_compare.yaml")
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--skip-evaluation", action="store_true",
+                    help="iterations only (the evaluation is the engines' greedy rollouts from the SFT weights: no learner in it)")
     ap.add_argument("--scan-limit", type=int, default=1000,
                     help="answerable questions are looked for in the first N of each set (the held-out ones are the "
                          "same as with a full scan; the train pool is smaller)")
@@ -168,8 +183,9 @@ def main() -> None:
         sft = load_policy_weights(args.init)
         ways: dict[str, dict] = {}
         try:
-            for name, backend_name in WAYS.items():  # each way: its own policy (SFT), engine, anchor and optimizer
-                wcfg = load_config(args.config, [*overrides, f"name={name}", f"rollout.backend={backend_name}"])
+            for name, way_overrides in WAYS.items():  # each way: its own policy (SFT), engine, anchor and optimizer
+                wcfg = load_config(args.config, [*overrides, f"name={name}",
+                                                 *(f"{key}={value}" for key, value in way_overrides.items())])
                 policy = load_policy(wcfg.model, dtype=wcfg.dtype)
                 policy.load_state_dict(sft)
                 start = time.perf_counter()
@@ -177,11 +193,12 @@ def main() -> None:
                 ways[name] = {"policy": policy, "backend": backend, "counter": None,
                               "trainer": Trainer(wcfg, LocalEngine(wcfg, policy, tokenizer, backend, client),
                                                  tokenizer, train)}
-                if backend_name == "vllm":
+                if wcfg.rollout.backend == "vllm":
                     result["vllm_startup_s"] = round(time.perf_counter() - start, 1)
                     result["vllm_engine_memory"] = engine_memory_gib()
                     ways[name]["counter"] = EngineTokenCounter(backend)
-            result["evaluation"] = evaluation(ways, tokenizer, client, held_out, out)
+            if not args.skip_evaluation:
+                result["evaluation"] = evaluation(ways, tokenizer, client, held_out, out)
             result.update(iterations(ways, args.iterations))
             result["vllm_engine_memory_end"] = engine_memory_gib()
         finally:
