@@ -59,7 +59,7 @@ compare: setup
 	$(PY) -m emapg.cli compare --index $(INDEX) --methods GRPO,EMA-PG $(COMPARE_ARGS)
 
 # GRPO, EMA-k3 and EMA-PG at 200 AdamW steps each, ~1,170 held-out questions, paired tests, the EMA anchors evaluated
-# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); 8-10 hours on 2 cores,
+# (configs/cpu_evidence.yaml: its header has the SFT and learning-rate pilot to run first); ~2-2.5 h per method on 2 cores,
 # resumes if interrupted. EVIDENCE_OUT: the folder of its run folder (outside the checkout, it outlives a fresh clone);
 # EVIDENCE_NAME: the run folder's name (one per SFT start: a CPU of another kind remakes a different SFT).
 EVIDENCE_OUT ?= artifacts/runs
