@@ -151,7 +151,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu_compare.yaml")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--skip-evaluation", action="store_true",
-                    help="iterations only (the evaluation is the engines' greedy rollouts from the SFT weights: no learner in it)")
+                    help="iterations only (the evaluation is the engines' greedy rollouts from the SFT weights: "
+                         "no learner in it)")
     ap.add_argument("--scan-limit", type=int, default=1000,
                     help="answerable questions are looked for in the first N of each set (the held-out ones are the "
                          "same as with a full scan; the train pool is smaller)")
