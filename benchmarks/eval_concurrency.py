@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -79,10 +80,8 @@ def main() -> None:
                     if layout == "pooled":
                         pooled = run_mode(backend, tokenizer, client, [e for v in held_out.values() for e in v],
                                           config, width)
-                        trajectories = []
-                        for examples in held_out.values():
-                            trajectories.append(pooled[: len(examples)])
-                            pooled = pooled[len(examples):]
+                        bounds = list(itertools.accumulate((len(v) for v in held_out.values()), initial=0))
+                        trajectories = [pooled[a:b] for a, b in itertools.pairwise(bounds)]  # back into sets
                     else:
                         trajectories = [run_mode(backend, tokenizer, client, examples, config, width)
                                         for examples in held_out.values()]
