@@ -1,6 +1,7 @@
-"""The held-out evaluation on vLLM, today's way against others, in one run on one engine: per set (each set its own
+"""The held-out evaluation on vLLM, laid out in different ways, in one run on one engine: per set (each set its own
 continuous run, rollout.batch_size trajectories in flight, so each set ends on a tail of a few long trajectories)
-against the sets pooled into one continuous run, and more trajectories in flight. Prints one JSON line.
+against the sets pooled into one continuous run (eval.harness.evaluate's way since session 15), and more
+trajectories in flight. Prints one JSON line.
 
     python benchmarks/eval_concurrency.py --init artifacts/runs/cpu-demo/sft \
         --index artifacts/indexes/wiki-minilm-flat [--config configs/cpu_compare.yaml] \
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import sys
@@ -52,7 +52,7 @@ def main() -> None:
 
     from agent.policy import load_policy, load_tokenizer
     from emapg.workflow import connect_retriever, eval_examples
-    from eval.harness import model_text, run_mode, score
+    from eval.harness import model_text, run_mode, run_pooled, score
     from trainer.checkpoint import load_policy_weights
     from trainer.config import load_config
     from trainer.engine import rollout_backend, rollout_config
@@ -78,10 +78,7 @@ def main() -> None:
                     backend.load_weights(policy.named_parameters())  # same weights; empties the prefix cache
                     start = time.perf_counter()
                     if layout == "pooled":
-                        pooled = run_mode(backend, tokenizer, client, [e for v in held_out.values() for e in v],
-                                          config, width)
-                        bounds = list(itertools.accumulate((len(v) for v in held_out.values()), initial=0))
-                        trajectories = [pooled[a:b] for a, b in itertools.pairwise(bounds)]  # back into sets
+                        trajectories = list(run_pooled(backend, tokenizer, client, held_out, config, width).values())
                     else:
                         trajectories = [run_mode(backend, tokenizer, client, examples, config, width)
                                         for examples in held_out.values()]

@@ -11,8 +11,9 @@ Both ways start from the same SFT weights with the same seeds, so they train on 
 alternate (new, old, new, old, ...) so that a change in the machine's load hits both. Per phase the median over
 the iterations: weight sync, rollout (and the part of it the engine spent waiting on retrieval), prepare (pi_old and
 anchor passes), update, EMA. The evaluation is greedy agent mode on the config's held-out questions (the first
-eval_limit answerable ones of each set: 200), from the SFT weights; the vLLM engine's start-up is reported apart
-(once per process, shared by training and evaluation).
+eval_limit answerable ones of each set: 200), from the SFT weights, each set in its own run the old way and all sets
+pooled in one the new way; the vLLM engine's start-up is reported apart (once per process, shared by training and
+evaluation).
 
 Generated tokens per kept token (vLLM): every token the engine sampled, counted as its core sends it out (so tokens
 sampled after a stop string, before the abort reached the engine, count too), over the model tokens the trajectories
@@ -91,14 +92,20 @@ def evaluation(ways: dict, tokenizer, client, held_out, out: Path) -> dict:
     result, trajectories = {}, {}
     for name, way in ways.items():
         before = way["counter"].tokens if way["counter"] else 0
-        report = run_eval(way["trainer"].cfg, way["policy"], tokenizer, client, held_out, name, out / f"eval-{name}",
-                          "held-out", way["backend"])
-        folder = out / f"eval-{name}" / "trajectories"
-        trajectories[name] = [json.loads(line) for path in sorted(folder.iterdir())
-                              for line in path.read_text().splitlines()]
-        n = sum(r.n for r in report.results)
-        em = sum(r.em * r.n for r in report.results) / n
-        result[name] = {"seconds": round(report.seconds, 1), "em": round(em, 3)}
+        # The old way evaluates each set in its own run, as the harness did when issue 13 was filed; the new way's
+        # harness pools the sets into one run (one tail of long trajectories instead of one per set).
+        runs = [{dataset: examples} for dataset, examples in held_out.items()] if name == "old" else [held_out]
+        seconds, results, trajectories[name] = 0.0, [], []
+        for i, datasets in enumerate(runs):
+            report = run_eval(way["trainer"].cfg, way["policy"], tokenizer, client, datasets, name,
+                              out / f"eval-{name}-{i}", "held-out", way["backend"])
+            seconds, results = seconds + report.seconds, results + report.results
+            trajectories[name] += [json.loads(line) for dataset in datasets
+                                   for line in (out / f"eval-{name}-{i}" / "trajectories" /
+                                                f"{dataset}.agent.jsonl").read_text().splitlines()]
+        n = sum(r.n for r in results)
+        em = sum(r.em * r.n for r in results) / n
+        result[name] = {"seconds": round(seconds, 1), "em": round(em, 3)}
         if way["counter"]:
             kept = sum(sum(t["loss_mask"]) for t in trajectories[name])
             result[name]["generated_per_kept"] = round((way["counter"].tokens - before) / kept, 3)

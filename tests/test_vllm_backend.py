@@ -264,7 +264,8 @@ def test_trainer_syncs_the_engine_after_every_update(engine, search_model, token
 
 def test_evaluation_on_vllm_equals_the_transformers_loops(engine, search_model, tokenizer, server_url, tmp_path):
     """eval.harness on the engine (continuous, all questions in one rollout) and on transformers (per turn, in
-    chunks): the same greedy trajectories and scores, in every mode."""
+    chunks): the same greedy trajectories and scores, in every mode; each dataset gets back its own questions, in
+    order, from the pooled run."""
     from eval.harness import evaluate
 
     datasets = {"nq": [QUESTION, OTHER, QUESTION], "triviaqa": [OTHER]}
@@ -279,6 +280,7 @@ def test_evaluation_on_vllm_equals_the_transformers_loops(engine, search_model, 
                 reference.mean_searches)
         files = [tmp_path / name / "trajectories" / f"{ours.dataset}.{ours.mode}.jsonl" for name in reports]
         same_trajectories(*(list(load_jsonl(path)) for path in files))
+        assert [t.group_id for t in load_jsonl(files[0])] == [e.id for e in datasets[ours.dataset]]
     assert reports["vllm"].results[-2].em == 2 / 3  # nq agent: both QUESTION rows answer "Jane Austen"
 
 
