@@ -21,10 +21,14 @@ in float32, hence tolerances of 1e-5.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from trainer.kl import SAMPLED_KL_KINDS, exact_kl, gather_logprobs, sampled_kl, topk_kl
+from trainer.kl import (SAMPLED_KL_KINDS, KLInputs, exact_kl, gather_logprobs, importance_weight, sampled_kl, topk_kl,
+                       topk_kl_from_logprobs)
+from trainer.registry import KL_ESTIMATORS
 
 V = 6
 POSITIONS = 3
@@ -90,10 +94,16 @@ def assert_far(actual: torch.Tensor, other: torch.Tensor, what: str, margin: flo
 
 EXPECTED_VALUE = {"k1": "reverse", "k2": None, "k3": "reverse", "k3pp": "reverse", "k4": "reverse", "k5": "forward"}
 EXPECTED_GRADIENT = {"k1": "zero", "k2": "reverse", "k3": "forward", "k3pp": "reverse", "k4": "reverse", "k5": "forward"}
+# k3_clamped is k3 where its clamps do not bind; it has its own test against a float64 reference below.
+UNCLAMPED_KINDS = tuple(kind for kind in SAMPLED_KL_KINDS if kind != "k3_clamped")
+
+
+def test_every_sampled_kind_is_in_the_table_or_tested_apart() -> None:
+    assert set(UNCLAMPED_KINDS) == set(EXPECTED_VALUE) == set(EXPECTED_GRADIENT)
 
 
 @pytest.mark.parametrize("importance_weighted", [False, True], ids=["p~pi", "p~pi_old"])
-@pytest.mark.parametrize("kind", SAMPLED_KL_KINDS)
+@pytest.mark.parametrize("kind", UNCLAMPED_KINDS)
 def test_sampled_kl_expected_value_and_gradient_match_the_table(kind: str, importance_weighted: bool) -> None:
     for seed in range(3):
         theta, ref_logits, old_logits = make_distributions(seed)
@@ -121,6 +131,37 @@ def test_sampled_kl_expected_value_and_gradient_match_the_table(kind: str, impor
         # And where the table says "not reverse" / "zero", it really is not the reverse KL's gradient.
         if EXPECTED_GRADIENT[kind] != "reverse":
             assert_far(expected_grad, reverse_grad, f"{kind} gradient vs the reverse KL's")
+
+
+def test_clamped_k3_value_and_gradient_match_a_float64_reference() -> None:
+    """kl.estimator=k3_clamped (the authors' GRPO baseline's low_var_kl) at log w on both sides of both clamps,
+    against the float64 formula written out: value min(10, e^c - 1 - c) with c = clamp(log w, -20, 20) (k3 >= 0,
+    so the -10 bound never binds), gradient w.r.t. log pi_theta(p) = -(w - 1) where nothing binds, 0 where the
+    value clamp binds (at log w > 2.611 or < -11.0)."""
+    log_w = torch.tensor([-30.0, -15.0, -11.5, -10.5, -3.0, -0.25, 0.0, 0.25, 1.5, 2.55, 2.7, 5.0, 25.0],
+                         dtype=torch.float64)
+    ref_logprob = torch.full_like(log_w, -2.0)
+    logprob = (ref_logprob - log_w).float().requires_grad_()
+    value = sampled_kl(logprob, ref_logprob.float(), "k3_clamped")
+    (grad,) = torch.autograd.grad(value.sum(), logprob)
+
+    clamped_log_w = log_w.clamp(-20.0, 20.0)
+    raw = clamped_log_w.exp() - 1.0 - clamped_log_w
+    expected_value = raw.clamp(-10.0, 10.0)
+    binds = raw > 10.0
+    expected_grad = torch.where(binds, torch.zeros_like(log_w), -(log_w.exp() - 1.0))
+    assert binds.tolist() == [True, True, True, False, False, False, False, False, False, False, True, True, True]
+    torch.testing.assert_close(value.double(), expected_value, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-5, atol=1e-6)
+    # Where nothing binds it is plain k3, value and gradient.
+    plain = sampled_kl(logprob, ref_logprob.float(), "k3")
+    (plain_grad,) = torch.autograd.grad(plain.sum(), logprob)
+    torch.testing.assert_close(value[~binds], plain[~binds])
+    torch.testing.assert_close(grad[~binds], plain_grad[~binds])
+    # The recipe runs it without the importance weight; with one it is s times the same (our weight, unclamped).
+    old_logprob = logprob.detach() + 0.3
+    weighted = sampled_kl(logprob, ref_logprob.float(), "k3_clamped", old_logprob=old_logprob)
+    torch.testing.assert_close(weighted, math.exp(-0.3) * value, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,29 +208,61 @@ def test_topk_kl_is_unbiased_in_value_and_gradient(direction: str, k: int, impor
         assert_close(expected_grad, true_grad, f"top-{k} {direction} gradient (seed {seed})")
 
 
-@pytest.mark.parametrize("direction", ["reverse", "forward"])
-def test_without_the_correction_the_expected_gradient_is_off_by_grad_head_mass(direction: str) -> None:
-    """Undo the zero-valued correction: E[grad] becomes grad KL + grad P_q (reverse) / grad KL - grad P_q (forward).
+def registered_topk(name: str, inputs: dict) -> torch.Tensor:
+    """The registered estimator `name` (what kl.estimator=name runs) on topk_inputs' enumeration batch."""
+    logprobs = torch.log_softmax(inputs["logits"], -1)
+    return KL_ESTIMATORS.get(name).fn(KLInputs(
+        token_logprob=logprobs.gather(-1, inputs["tokens"].unsqueeze(-1)).squeeze(-1),
+        ref_token_logprob=inputs["ref_token_logprob"], tokens=inputs["tokens"], direction=inputs["direction"],
+        old_token_logprob=inputs["old_token_logprob"], head_logprobs=logprobs.gather(-1, inputs["topk_ids"]),
+        topk_ids=inputs["topk_ids"], ref_topk_logprobs=inputs["ref_topk_logprobs"],
+    ))
 
-    So the correction term is what makes the unbiasedness test above pass at 0 < k < V (the authors' released
-    code omits it for reverse).
-    """
+
+@pytest.mark.parametrize("importance_weighted", [False, True], ids=["p~pi", "p~pi_old"])
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_released_topk_gradient_is_off_by_beta_grad_head_mass(direction: str, importance_weighted: bool) -> None:
+    """kl.estimator=topk_released (the authors' estimator, no head-mass correction) against ours (topk), by
+    enumeration: the same expected value, and expected gradients that differ by exactly grad P_q for reverse
+    (-grad P_q for forward), P_q the policy's mass on the top-k ids. Times beta in the loss, that is the released
+    recipe's bias; ours equals grad KL (the test above)."""
     k = 3
     for seed in range(3):
         theta, ref_logits, old_logits = make_distributions(seed)
-        inputs = topk_inputs(theta, ref_logits, old_logits, k, direction, importance_weighted=False)
-        corrected = call_topk_kl(inputs)
-        head_mass = torch.softmax(theta, -1).gather(-1, inputs["_head_ids"]).sum(-1)  # P_q, (POSITIONS,)
-        correction = head_mass - head_mass.detach()
-        uncorrected = corrected + correction if direction == "reverse" else corrected - correction
-        expected_value, expected_grad = enumerate_expectation(uncorrected, theta, theta)
+        inputs = topk_inputs(theta, ref_logits, old_logits, k, direction, importance_weighted)
+        sampling_logits = inputs["_sampling_logits"]
+        released_value, released_grad = enumerate_expectation(registered_topk("topk_released", inputs), theta,
+                                                              sampling_logits)
+        unbiased_value, unbiased_grad = enumerate_expectation(registered_topk("topk", inputs), theta, sampling_logits)
 
         true_value, true_grad = reference_kl(theta, ref_logits, direction)
         mass_grad = reference_head_mass_grad(theta, inputs["_head_ids"])
         sign = 1.0 if direction == "reverse" else -1.0
-        assert_close(expected_value, true_value, "the correction changes no value")
-        assert_close(expected_grad, true_grad + sign * mass_grad, f"uncorrected {direction} gradient (seed {seed})")
-        assert_far(expected_grad, true_grad, f"uncorrected {direction} gradient vs grad KL")
+        assert_close(released_value, unbiased_value, "released and unbiased have the same value")
+        assert_close(released_value, true_value, f"released {direction} value (seed {seed})")
+        assert_close(unbiased_grad, true_grad, f"unbiased {direction} gradient (seed {seed})")
+        assert_close(released_grad - unbiased_grad, sign * mass_grad, f"released - unbiased (seed {seed})")
+        assert_far(released_grad, true_grad, f"released {direction} gradient vs grad KL")
+
+
+def test_released_topk_clamps_log_ratios_at_20_as_the_authors_code_does() -> None:
+    """Their guards: the importance weight's log-ratio and the forward tail's log w clamped to [-20, 20]."""
+    token_logprob = torch.tensor([-1.0, -30.0], requires_grad=True)
+    old_token_logprob = torch.tensor([-26.0, -2.0])  # log s = 25 (clamped to 20) and -28 (clamped to -20)
+    s = importance_weight(token_logprob, old_token_logprob, log_ratio_clamp=20.0)
+    torch.testing.assert_close(s, torch.tensor([20.0, -20.0]).exp())
+    torch.testing.assert_close(importance_weight(token_logprob, old_token_logprob), torch.tensor([25.0, -28.0]).exp())
+
+    ref_token_logprob = torch.tensor([-0.5, -0.1])  # log w = 0.5 (free) and 29.9 (clamped to 20)
+    empty = dict(head_logprobs=torch.empty(2, 0), ref_topk_logprobs=torch.empty(2, 0),
+                 topk_ids=torch.empty(2, 0, dtype=torch.long), tokens=torch.tensor([0, 1]), direction="forward")
+    released = topk_kl_from_logprobs(token_logprob=token_logprob, ref_token_logprob=ref_token_logprob,
+                                     gradient="released", **empty)
+    (grad,) = torch.autograd.grad(released.sum(), token_logprob)
+    log_w = torch.tensor([0.5, 20.0])
+    torch.testing.assert_close(released.detach(), log_w.exp() * log_w)  # sg(w) log w + log r, log r = 0
+    # d/d logprob of sg(w) log w + log r: -w + 1 where log w is free; 1 (log r alone) where it is clamped
+    torch.testing.assert_close(grad, torch.tensor([1.0 - math.exp(0.5), 1.0]))
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
@@ -312,6 +385,8 @@ def test_bad_arguments_are_refused_with_clear_messages() -> None:
         exact_kl(logits, torch.zeros(2, 3, V + 1), "reverse")
     with pytest.raises(ValueError, match="direction must be one of"):
         topk_kl(**{**good, "direction": "sideways"})
+    with pytest.raises(ValueError, match="gradient must be one of"):
+        topk_kl(**{**good, "gradient": "biased"})
     with pytest.raises(ValueError, match=r"logits must be \(B, T, V\)"):
         topk_kl(**{**good, "logits": torch.zeros(6, V)})
     with pytest.raises(ValueError, match="topk_ids must be"):

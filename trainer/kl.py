@@ -21,6 +21,13 @@ never seen by autograd, and the factor r is how an estimator puts it back.
 | k3pp  | r (w - 1 - log w)        | reverse KL | grad reverse KL                       |
 | k4    | r sg(-log w)             | reverse KL | grad reverse KL                       |
 | k5    | sg(w) log w + log r      | forward KL | grad forward KL                       |
+| k3_clamped | k3 with log w clamped to [-20, 20], then the value to [-10, 10] | as k3 where the clamps do not bind | as k3 there, 0 where they bind |
+
+k3_clamped is verl's `low_var_kl`, the KL of the authors' GRPO baseline (LunjunZhang/ema-pg, docs/fidelity.md). The
+value clamp binds where w = pi_ref(p) / pi_theta(p) > 13.61 (log w > 2.611) or w < 1 / 59,873 (log w < -11.0); the
+log-w clamp only keeps exp() finite, as the value clamp has bound before it. Where the clamp binds the token's
+gradient is zero: a token the policy moved far from (or far below) the anchor gets no pull back. A name of its own
+so that `k3` stays the plain estimator.
 
 reverse KL = KL(pi_theta || pi_ref), forward KL = KL(pi_ref || pi_theta). Logits are assumed finite (a -inf
 logit makes 0 * inf terms); log-probs are always normalised over the full vocabulary.
@@ -36,6 +43,7 @@ from torch import Tensor
 from trainer.registry import register_kl_estimator
 
 DIRECTIONS = ("reverse", "forward")
+TOPK_GRADIENTS = ("unbiased", "released")
 
 
 def _check_direction(direction: str) -> None:
@@ -48,9 +56,21 @@ def _check_same_shape(name: str, tensor: Tensor, expected: torch.Size, expected_
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected)} (the shape of {expected_name})")
 
 
-def importance_weight(logprob: Tensor, old_logprob: Tensor, iw_clip: float | None = None) -> Tensor:
-    """s = sg(pi_theta(p) / pi_old(p)), optionally clamped to at most `iw_clip` (the clamp biases it)."""
-    s = torch.exp(logprob.float() - old_logprob.float()).detach()
+# The authors' released code clamps log-ratios to [-20, 20] before exponentiating them (verl's numerical guard):
+# the importance weight's, the forward tail's log w, and k3's log w (docs/fidelity.md has the lines).
+RELEASED_LOG_RATIO_CLAMP = 20.0
+RELEASED_K3_VALUE_CLAMP = 10.0
+
+
+def importance_weight(
+    logprob: Tensor, old_logprob: Tensor, iw_clip: float | None = None, log_ratio_clamp: float | None = None
+) -> Tensor:
+    """s = sg(pi_theta(p) / pi_old(p)), optionally clamped to at most `iw_clip` (the clamp biases it); with
+    `log_ratio_clamp` the log-ratio is first clamped to [-c, c] (the released code's guard)."""
+    log_s = (logprob.float() - old_logprob.float()).detach()
+    if log_ratio_clamp is not None:
+        log_s = log_s.clamp(-log_ratio_clamp, log_ratio_clamp)
+    s = torch.exp(log_s)
     return s if iw_clip is None else s.clamp(max=iw_clip)
 
 
@@ -79,7 +99,12 @@ def _k5(log_w: Tensor, log_r: Tensor) -> Tensor:
     return torch.exp(log_w).detach() * log_w + log_r
 
 
-SAMPLED_KL = {"k1": _k1, "k2": _k2, "k3": _k3, "k3pp": _k3pp, "k4": _k4, "k5": _k5}
+def _k3_clamped(log_w: Tensor, log_r: Tensor) -> Tensor:
+    log_w = log_w.clamp(-RELEASED_LOG_RATIO_CLAMP, RELEASED_LOG_RATIO_CLAMP)
+    return _k3(log_w, log_r).clamp(-RELEASED_K3_VALUE_CLAMP, RELEASED_K3_VALUE_CLAMP)
+
+
+SAMPLED_KL = {"k1": _k1, "k2": _k2, "k3": _k3, "k3pp": _k3pp, "k4": _k4, "k5": _k5, "k3_clamped": _k3_clamped}
 SAMPLED_KL_KINDS = tuple(SAMPLED_KL)
 
 
@@ -142,7 +167,7 @@ def topk_kl(
 ) -> Tensor:
     """`topk_kl_from_logprobs` from the policy's whole logits (B, T, V) (the only input that carries gradient):
     the reference form, where the learner computes the log-probs chunk by chunk (trainer.logprobs). `options`:
-    direction, old_token_logprob, iw_clip. k may also be V (the exact KL)."""
+    direction, old_token_logprob, iw_clip, gradient. k may also be V (the exact KL)."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
     batch_shape, vocab = logits.shape[:2], logits.shape[2]
@@ -174,6 +199,7 @@ def topk_kl_from_logprobs(
     direction: str,
     old_token_logprob: Tensor | None = None,
     iw_clip: float | None = None,
+    gradient: str = "unbiased",
 ) -> Tensor:
     """Top-k KL per token (design.md §4): exact on the head q, a sampled estimate on the tail, -> (...).
 
@@ -198,8 +224,16 @@ def topk_kl_from_logprobs(
                + s 1[p not in q] (sg(w) log w + log r)                 + (P_q - sg(P_q))
     The last term is zero in value. Its gradient cancels the tail estimator's missing (reverse) or extra
     (forward) sum_{j not in q} grad pi_theta(j) = -grad P_q, so the expected gradient equals grad KL at any k.
+
+    gradient: "unbiased" (the above) or "released", the authors' released estimator (docs/fidelity.md): the same
+    value without that last term, so its expected gradient is grad KL + grad P_q (reverse) or grad KL - grad P_q
+    (forward); and their numerical guards, log-ratios clamped to [-20, 20] in the importance weight and in the
+    forward tail's log w (they bind only where a ratio passes e^20 ~ 4.9e8).
     """
     _check_direction(direction)
+    if gradient not in TOPK_GRADIENTS:
+        raise ValueError(f"gradient must be one of {TOPK_GRADIENTS}, got {gradient!r}")
+    released = gradient == "released"
     batch_shape = token_logprob.shape
     _check_topk_ids(topk_ids, tokens, batch_shape, "token_logprob")
     _check_same_shape("head_logprobs", head_logprobs, topk_ids.shape, "topk_ids")
@@ -221,19 +255,21 @@ def topk_kl_from_logprobs(
 
     # The tail estimate counts only tokens outside q (their mass is already exact in the head).
     tail_weight = (topk_ids != tokens.unsqueeze(-1)).all(-1).float()  # 1[p not in q]; all() of nothing is True
+    log_ratio_clamp = RELEASED_LOG_RATIO_CLAMP if released else None
     if old_token_logprob is not None:
-        tail_weight = tail_weight * importance_weight(token_logprob, old_token_logprob, iw_clip)
+        tail_weight = tail_weight * importance_weight(token_logprob, old_token_logprob, iw_clip, log_ratio_clamp)
 
     log_ratio = token_logprob - ref_token_logprob  # log pi_theta(p) - log pi_ref(p) = -log w
     log_r = token_logprob - token_logprob.detach()
-    mass_grad_only = head_mass - head_mass.detach()  # value 0, gradient grad P_q
+    # value 0, gradient grad P_q; the released estimator has no such term
+    mass_grad_only = torch.zeros_like(head_mass) if released else head_mass - head_mass.detach()
 
     if direction == "reverse":
         head = (head_probs * (head_logprobs - ref_head_logprobs)).sum(-1)
         tail = tail_weight * torch.exp(log_r) * log_ratio.detach()  # k4 on the tail
         return head + tail - mass_grad_only
     head = (ref_head_logprobs.exp() * (ref_head_logprobs - head_logprobs)).sum(-1)
-    log_w = -log_ratio
+    log_w = -log_ratio if log_ratio_clamp is None else (-log_ratio).clamp(-log_ratio_clamp, log_ratio_clamp)
     tail = tail_weight * (torch.exp(log_w).detach() * log_w + log_r)  # k5 on the tail
     return head + tail + mass_grad_only
 
@@ -256,11 +292,15 @@ class KLInputs:
     exact_kl: Tensor | None = None  # (M,) the full-vocabulary KL in `direction`
 
 
-@register_kl_estimator("topk", reads="topk")
-def topk_estimator(x: KLInputs) -> Tensor:
-    return topk_kl_from_logprobs(x.head_logprobs, x.token_logprob, x.ref_topk_logprobs, x.ref_token_logprob,
-                                 x.topk_ids, x.tokens, direction=x.direction, old_token_logprob=x.old_token_logprob,
-                                 iw_clip=x.iw_clip)
+def _register_topk(name: str, gradient: str) -> None:
+    @register_kl_estimator(name, reads="topk")
+    def estimator(x: KLInputs) -> Tensor:
+        return topk_kl_from_logprobs(x.head_logprobs, x.token_logprob, x.ref_topk_logprobs, x.ref_token_logprob,
+                                     x.topk_ids, x.tokens, direction=x.direction,
+                                     old_token_logprob=x.old_token_logprob, iw_clip=x.iw_clip, gradient=gradient)
+
+
+_register_topk("topk", "unbiased")  # ours
 
 
 @register_kl_estimator("exact", reads="exact")
@@ -276,3 +316,5 @@ def _register_sampled(kind: str) -> None:
 
 for _kind in SAMPLED_KL_KINDS:
     _register_sampled(_kind)
+# The authors' released Top-k estimator (docs/fidelity.md), after the built-ins: config errors list those first.
+_register_topk("topk_released", "released")
