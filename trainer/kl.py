@@ -26,8 +26,8 @@ never seen by autograd, and the factor r is how an estimator puts it back.
 k3_clamped is verl's `low_var_kl`, the KL of the authors' GRPO baseline (LunjunZhang/ema-pg, docs/fidelity.md). The
 value clamp binds where w = pi_ref(p) / pi_theta(p) > 13.61 (log w > 2.611) or w < 1 / 59,873 (log w < -11.0); the
 log-w clamp only keeps exp() finite, as the value clamp has bound before it. Where the clamp binds the token's
-gradient is zero: a token the policy moved far from (or far below) the anchor gets no pull back. A name of its own
-so that `k3` stays the plain estimator.
+gradient is zero: a token whose probability the policy raised 59,873-fold over the anchor's, or cut below a 13.6th
+of it, gets no pull back. A name of its own so that `k3` stays the plain estimator.
 
 reverse KL = KL(pi_theta || pi_ref), forward KL = KL(pi_ref || pi_theta). Logits are assumed finite (a -inf
 logit makes 0 * inf terms); log-probs are always normalised over the full vocabulary.
