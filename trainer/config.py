@@ -97,7 +97,10 @@ class TrainSection(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0)  # AdamW steps of linear warm-up (trainer/schedule.py)
+    # Or the authors' way: warm up over this share of `iterations`, the rate stepping once per iteration (verl's
+    # lr_warmup_steps_ratio; 0.285 in their search recipe). Set warmup_steps to 0 with it.
+    warmup_fraction: float | None = Field(None, gt=0, lt=1)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
     aggregation: str = "token-mean"  # a registered loss aggregation (trainer/policy_loss.py)
@@ -127,6 +130,13 @@ class TrainSection(Section):
     @classmethod
     def _registered_advantage(cls, name: str) -> str:
         return registered(registry.ADVANTAGE_ESTIMATORS, name)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainSection:
+        if self.warmup_fraction is not None and self.warmup_steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) and train.warmup_fraction "
+                             f"({self.warmup_fraction}) both set a warm-up: set train.warmup_steps=0 to use the fraction")
+        return self
 
 
 KL_OFF = "none"  # kl.estimator value for no KL term

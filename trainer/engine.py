@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from transformers import get_constant_schedule_with_warmup
 
 from agent.backend import RolloutBackend, SamplingParams
 from agent.continuous import search_agent
@@ -34,6 +33,7 @@ from trainer.lora import (
     uses_lora,
 )
 from trainer.learner import Learner, enable_gradient_checkpointing, fsdp_logits
+from trainer.schedule import learning_rate_schedule
 
 
 class Engine(Protocol):
@@ -120,7 +120,7 @@ class PolicyTrainer:
         # After sharding: the optimizer must hold the sharded parameters.
         trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW([p for _, p in trained], lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-        self.scheduler = get_constant_schedule_with_warmup(self.optimizer, t.warmup_steps)
+        self.scheduler = learning_rate_schedule(self.optimizer, t)
         self.parameter_names = [name for name, _ in trained]  # the optimizer's parameter order
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
                                cfg.autocast, guard=cfg.guard, **logits)

@@ -1,0 +1,53 @@
+"""The RL learning-rate schedule: a linear warm-up from 0, then constant. The learner steps it once per AdamW step.
+
+Two ways to say how long the warm-up is (trainer.config.TrainSection):
+
+- `train.warmup_steps` AdamW steps (ours): the rate rises by lr / warmup_steps every step, from 0 at the first one
+  (transformers' `get_constant_schedule_with_warmup`).
+- `train.warmup_fraction` of `train.iterations` (the authors' recipe, verl's `lr_warmup_steps_ratio`): W =
+  floor(fraction x iterations) iterations, and the rate steps once per iteration, not per AdamW step, as verl's
+  scheduler does: iteration i (from 1) runs all its AdamW steps at lr x min(1, (i - 1) / W), so the first
+  iteration's steps run at 0. With 10 AdamW steps per iteration that is 10 W steps of warm-up, where warmup_steps
+  counts single steps.
+
+A step the guard skips (trainer.guard) does not step the schedule in either mode, so after a skip the fraction mode's
+rate changes one step later within the iteration than verl's would.
+"""
+
+from __future__ import annotations
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import TrainSection
+
+
+def step_warmup(step: int, warmup_steps: int) -> float:
+    """The share of the learning rate at AdamW step `step` (from 0): step / warmup_steps, 1 from warmup_steps on
+    (at once when it is 0), as transformers' get_constant_schedule_with_warmup."""
+    return 1.0 if step >= warmup_steps else step / warmup_steps
+
+
+def iteration_warmup(iteration: int, warmup_iterations: int) -> float:
+    """The share at iteration `iteration` (from 0): verl's min(1, i / max(1, W)) (so even W = 0 starts at 0)."""
+    return min(1.0, iteration / max(1, warmup_iterations))
+
+
+def steps_per_iteration(train: TrainSection) -> int:
+    """AdamW steps per iteration: mini-batches per epoch x PPO epochs (the config makes the division exact)."""
+    return train.prompts_per_iteration * train.rollouts_per_prompt // train.mini_batch_size * train.ppo_epochs
+
+
+def warmup_iterations(train: TrainSection) -> int:
+    """W = floor(warmup_fraction x iterations), verl's int(lr_warmup_steps_ratio x total_training_steps)."""
+    if train.warmup_fraction is None:
+        raise ValueError("train.warmup_fraction is not set")
+    return int(train.warmup_fraction * train.iterations)
+
+
+def learning_rate_schedule(optimizer: Optimizer, train: TrainSection) -> LambdaLR:
+    """The schedule `train` asks for, as a LambdaLR stepped once per AdamW step."""
+    if train.warmup_fraction is None:
+        return LambdaLR(optimizer, lambda step: step_warmup(step, train.warmup_steps))
+    per_iteration, warmup = steps_per_iteration(train), warmup_iterations(train)
+    return LambdaLR(optimizer, lambda step: iteration_warmup(step // per_iteration, warmup))
