@@ -8,8 +8,8 @@ returns goes straight back to the engine while others are still generating; noth
 Searches of concurrent trajectories still meet in the server's cross-request batcher.
 
 At most `max_concurrency` trajectories are in flight (the others wait, in order): that bounds the engine's batch
-and the KV cache it needs. A trajectory's seed for turn t is (params.seed + t) x SEED_STRIDE + its index, as in the
-per-turn loop on vLLM, so its samples do not depend on when the other trajectories finish.
+and the KV cache it needs. A trajectory's seed for turn t is row_seed(turn_seed(params.seed, t), its index)
+(agent.seeds), as in the per-turn loop on vLLM, so its samples do not depend on when the other trajectories finish.
 """
 
 from __future__ import annotations

@@ -2,6 +2,12 @@
 
 Tag names are Search-R1's exactly (`<think>`, `<search>`, `<information>`, `<answer>`), so checkpoints and data
 made with it carry over. The instruction is in our words, with its meaning kept.
+
+This module is the protocol's only text: every tag, the instructions, the stop strings, the observation text
+(`format_hits` and its parser `shown_documents`), the failure and invalid-action messages, and the turn writers the
+demonstration builders use, so that a change here reaches rollouts, evaluation and SFT alike
+(tests/test_protocol_literals.py fails if a tag or observation literal appears in any other module). The retriever
+returns structured hits and knows none of this text.
 """
 
 from __future__ import annotations
@@ -9,6 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
+
+from data.corpus import split_contents
+from retriever.client import Hit
 
 SEARCH_STOP = "</search>"
 ANSWER_STOP = "</answer>"
@@ -32,10 +41,22 @@ RAG_INSTRUCTION = (
     "Passages:\n{passages}\nQuestion: {question}\n"
 )
 
+# One worked example of the protocol, put before the question for a model that does not follow it zero-shot
+# (benchmarks/rollout.py: the packaged SmolLM2-135M then writes tags often enough to measure generation).
+ONE_SHOT = (
+    "Example:\nQuestion: who painted the mona lisa?\n<think> I should look this up. </think>\n"
+    "<search> mona lisa painter </search>\n<information>Doc 1(Title: Mona Lisa) The Mona Lisa is a portrait "
+    "painting by Leonardo da Vinci.</information>\n<think> The painter is Leonardo da Vinci. </think>\n"
+    "<answer> Leonardo da Vinci </answer>\n\n"
+)
+
 INVALID_ACTION = (
     "\nMy previous action is invalid. To search, I should put the query between <search> and </search>. "
     "To give the final answer, I should put it between <answer> and </answer>. Let me try again.\n"
 )
+
+# A search's observation body when the retriever failed (the rollout goes on and shows the model this).
+SEARCH_FAILED = "The search engine did not answer; no documents were retrieved."
 
 # The first complete <search>...</search> or <answer>...</answer> block; tags are case-sensitive, as trained.
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -81,6 +102,49 @@ def extract_answer(model_texts: list[str]) -> str | None:
     answer "Beijing") nor a retrieved passage."""
     answers = [m.group(1).strip() for text in model_texts for m in _ANSWER.finditer(text)]
     return answers[-1] if answers else None
+
+
+def think(thought: str) -> str:
+    """A reasoning step as the instruction asks for it, ending its line."""
+    return f"<think> {thought} </think>\n"
+
+
+def search_turn(query: str) -> str:
+    """The text of a turn that searches for `query`; generation stops right after it (SEARCH_STOP)."""
+    return f"<search> {query} </search>"
+
+
+def answer_turn(answer: str) -> str:
+    """The text of a turn that answers `answer`; generation stops right after it (ANSWER_STOP)."""
+    return f"<answer> {answer} </answer>"
+
+
+def _doc_start(i: int) -> str:
+    """How document i (1-based) of an observation begins: written by format_hits, found by shown_documents."""
+    return f"Doc {i}(Title:"
+
+
+def format_hits(hits: list[Hit]) -> str:
+    """Search-R1's observation text: `Doc i(Title: <title>) <text>`, one hit per line."""
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        title, text = split_contents(hit.contents)
+        lines.append(f"{_doc_start(i)} {title}) {text}")
+    return "\n".join(lines)
+
+
+def shown_documents(shown_text: str, count: int) -> list[str]:
+    """format_hits' parser: the text of each of the first `count` documents present in `shown_text` (an observation
+    as the model sees it, possibly truncated), from its `Doc i(Title:` to the next document's. It stops at the first
+    document truncated away: every one after it is gone too."""
+    documents = []
+    for i in range(1, count + 1):
+        start = shown_text.find(_doc_start(i))
+        if start < 0:
+            break
+        end = shown_text.find(_doc_start(i + 1), start)
+        documents.append(shown_text[start : end if end >= 0 else len(shown_text)])
+    return documents
 
 
 def encode(tokenizer, text: str) -> list[int]:

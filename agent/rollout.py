@@ -22,20 +22,22 @@ from agent.backend import Generation, RolloutBackend, SamplingParams
 from agent.protocol import (
     ANSWER_STOP,
     INVALID_ACTION,
+    SEARCH_FAILED,
     SEARCH_STOP,
     encode,
     extract_answer,
+    format_hits,
     observation_ids,
     parse_action,
     prompt_ids,
     prompt_text,
 )
+from agent.seeds import turn_seed
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
-from retriever.client import Hit, RetrieverError, format_hits
+from retriever.client import Hit, RetrieverError
 
 Mode = Literal["agent", "direct", "rag"]
-SEARCH_FAILED = "The search engine did not answer; no documents were retrieved."
 
 
 class Searcher(Protocol):
@@ -99,8 +101,7 @@ class RolloutSteps:
 
     def turn_params(self, params: SamplingParams, turn: int) -> SamplingParams:
         # Each turn gets its own seed so a trajectory's samples differ across turns but the run is reproducible.
-        seed = None if params.seed is None else params.seed + turn
-        return replace(params, max_tokens=self.config.max_tokens_per_turn, seed=seed)
+        return replace(params, max_tokens=self.config.max_tokens_per_turn, seed=turn_seed(params.seed, turn))
 
     def stop(self, turn: int) -> list[str]:
         return [ANSWER_STOP] if turn == self.search_turns else [SEARCH_STOP, ANSWER_STOP]

@@ -13,7 +13,7 @@ What makes it exact for RL:
   - `logprobs_mode="processed_logprobs"`: the log-prob of each sampled id under the distribution it was drawn from
     (after temperature and top-p), the quantity the transformers backend reports and the learner's pi_old
     recomputes. vLLM's default (raw_logprobs) is the pre-temperature distribution;
-  - every request gets its own seed (seed x SEED_STRIDE + row, row = the trajectory's index in its rollout): one
+  - every request gets its own seed (agent.seeds.row_seed, row = the trajectory's index in its rollout): one
     seed for all rows would give a group's G samples identical draws, and a row's seed does not depend on which
     other rows share its batch, so the per-turn and the continuous schedulers draw the same samples;
   - `load_weights` copies new policy weights into the running engine in place (no restart; the bytes pass through
@@ -36,11 +36,9 @@ from typing import Any, TypeVar
 import torch
 
 from agent.backend import FinishReason, Generation, SamplingParams
+from agent.seeds import row_seed
 
 T = TypeVar("T")
-
-# A request's seed: seed * SEED_STRIDE + row (rows of one rollout never share a seed).
-SEED_STRIDE = 1_000_003
 
 
 def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -170,10 +168,6 @@ def cpu_worker_binding(cpus: set[int], user_binding: str | None) -> str | None:
     return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
-def row_seed(seed: int | None, row: int) -> int | None:
-    return None if seed is None else seed * SEED_STRIDE + row
-
-
 class VLLMBackend:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -222,7 +216,7 @@ class VLLMBackend:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     async def agenerate(self, prompt: list[int], params: SamplingParams, stop: list[str], row: int = 0) -> Generation:
-        """Continue one prompt (on the engine's loop); `row` picks its seed (params.seed x SEED_STRIDE + row)."""
+        """Continue one prompt (on the engine's loop); `row` picks its seed (row_seed(params.seed, row))."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

@@ -22,16 +22,10 @@ import torch
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend
 from agent.policy import load_policy, load_tokenizer
-from agent.protocol import ANSWER_STOP, SEARCH_STOP, prompt_ids, prompt_text
+from agent.protocol import ANSWER_STOP, ONE_SHOT, SEARCH_STOP, prompt_ids, prompt_text
 from data.qa import load_packaged
 from trainer.checkpoint import load_policy_weights
 
-ONE_SHOT = (
-    "Example:\nQuestion: who painted the mona lisa?\n<think> I should look this up. </think>\n"
-    "<search> mona lisa painter </search>\n<information>Doc 1(Title: Mona Lisa) The Mona Lisa is a portrait "
-    "painting by Leonardo da Vinci.</information>\n<think> The painter is Leonardo da Vinci. </think>\n"
-    "<answer> Leonardo da Vinci </answer>\n\n"
-)
 STOPS = [SEARCH_STOP, ANSWER_STOP]
 
 

@@ -32,7 +32,7 @@ def sample(backend, prompts: list[list[int]], k: int, max_tokens: int, seed: int
     from vllm.sampling_params import RequestOutputKind
 
     from agent.protocol import ANSWER_STOP, SEARCH_STOP
-    from agent.vllm_backend import row_seed
+    from agent.seeds import row_seed
 
     async def one(row: int, prompt: list[int]):
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=row_seed(seed, row),

@@ -196,6 +196,7 @@ def mcp(
     needs `Authorization: Bearer <token>`; EMAPG_RETRIEVER_TOKEN is sent to the retriever."""
     import os
 
+    from agent.protocol import format_hits
     from retriever.mcp_server import MCP_TOKEN_ENV, create_mcp_server
 
     if transport not in ("stdio", "http"):
@@ -203,7 +204,8 @@ def mcp(
     urls = url or "http://127.0.0.1:8000"
     limits = _served_limits(urls, stderr, timeout_s)  # the tool's argument limits are the retriever's own
     token = os.environ.get(MCP_TOKEN_ENV) or None
-    server = create_mcp_server(urls, limits, http_token=token, timeout_s=timeout_s, retries=retries)
+    server = create_mcp_server(urls, limits, render_hits=format_hits, http_token=token, timeout_s=timeout_s,
+                               retries=retries)
     if transport == "stdio":
         server.run("stdio")
     else:

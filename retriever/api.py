@@ -130,7 +130,7 @@ class Health(BaseModel):
 SEARCH_TOOL = "search"
 SEARCH_TOOL_DESCRIPTION = (
     "Search the retrieval index for the passages most relevant to a query (a question or keywords). Returns the "
-    "top passages, best first, one per line as 'Doc i(Title: <title>) <text>'."
+    "top passages, best first, each with its title."
 )
 
 

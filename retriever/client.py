@@ -1,5 +1,6 @@
 """HTTP client for `POST /retrieve` (ours or Search-R1's server), sync and async, with retries, replicas and batching;
-`health()` reads `GET /health` the same way. Bodies go out and come back through the models of `retriever/api.py`.
+`health()` reads `GET /health` the same way. Bodies go out and come back through the models of `retriever/api.py`;
+searches return structured hits (`Hit`): the text an agent shows a model is its own (agent.protocol.format_hits).
 
 Give one URL, or a list of replica URLs serving the same index: requests go round-robin over the replicas.
 Connection errors, timeouts and 5xx answers are retryable: the request moves at once to the next replica, and the
@@ -21,7 +22,6 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from data.corpus import split_contents
 from retriever.api import Health, Hit, RetrieveRequest, ScoredRetrieveResponse
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -39,15 +39,6 @@ class RetrieverError(RuntimeError):
 
 class RetrieverUnavailable(RetrieverError):
     """No replica could be reached (or every one kept failing) after all retries."""
-
-
-def format_hits(hits: list[Hit]) -> str:
-    """Search-R1's observation text: `Doc i(Title: <title>) <text>`, one hit per line."""
-    lines = []
-    for i, hit in enumerate(hits, 1):
-        title, text = split_contents(hit.contents)
-        lines.append(f"Doc {i}(Title: {title}) {text}")
-    return "\n".join(lines)
 
 
 def _parse(model: type[Model], response: httpx.Response, url: str) -> Model:

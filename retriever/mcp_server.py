@@ -6,6 +6,9 @@ with its token (EMAPG_RETRIEVER_TOKEN), retries and failover. The tool's argumen
 service's own limits (read from its /health at start), so a bad call is an MCP tool error naming the field, and
 whatever the service still refuses comes back as a tool error with the service's message.
 
+The tool's text is whatever `render_hits` makes of the hits (`emapg mcp` passes agent.protocol.format_hits:
+Search-R1's observation text, which a model trained here reads); the retriever imports no agent code.
+
 Transports: stdio (a desktop agent starts `emapg mcp --url ...` itself) and streamable HTTP (for remote agents:
 `emapg mcp --transport http`, on 127.0.0.1 unless told otherwise; with EMAPG_MCP_TOKEN set, every request needs
 `Authorization: Bearer <token>`).
@@ -15,7 +18,7 @@ Transports: stdio (a desktop agent starts `emapg mcp --url ...` itself) and stre
 # and the SDK reads parameter types from the function's annotations.
 
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -28,13 +31,14 @@ from mcp.types import CallToolResult, TextContent
 from retriever.api import (
     SEARCH_TOOL,
     SEARCH_TOOL_DESCRIPTION,
+    Hit,
     ScoredDocument,
     SearchLimits,
     SearchResult,
     query_field,
     topk_field,
 )
-from retriever.client import AsyncRetrieverClient, RetrieverError, format_hits
+from retriever.client import AsyncRetrieverClient, RetrieverError
 
 MCP_TOKEN_ENV = "EMAPG_MCP_TOKEN"  # the MCP server's own token (EMAPG_RETRIEVER_TOKEN is the HTTP service's)
 INDEX_RESOURCE = "emapg://index"
@@ -57,12 +61,14 @@ def create_mcp_server(
     urls: str | Sequence[str],
     limits: SearchLimits,
     *,
+    render_hits: Callable[[list[Hit]], str],
     http_token: str | None = None,
     timeout_s: float = 30.0,
     retries: int = 5,
 ) -> MCPServer:
     """An MCP server forwarding to the retrieval service at `urls`, whose limits are `limits` (its /health says).
-    `http_token`, when given, is required as a bearer token on the streamable HTTP transport."""
+    The tool's text content is `render_hits(hits)` (NO_HITS when there are none). `http_token`, when given, is
+    required as a bearer token on the streamable HTTP transport."""
     client = AsyncRetrieverClient(urls, topk=limits.default_topk, timeout_s=timeout_s, retries=retries)
 
     @asynccontextmanager
@@ -98,7 +104,7 @@ def create_mcp_server(
             raise ToolError(str(e)) from e
         result = SearchResult(query=query, hits=[ScoredDocument.from_hit(h) for h in hits])
         return CallToolResult(
-            content=[TextContent(type="text", text=format_hits(hits) or NO_HITS)],
+            content=[TextContent(type="text", text=render_hits(hits) or NO_HITS)],
             structured_content=result.model_dump(mode="json"),
         )
 

@@ -124,8 +124,8 @@ def memorise_search_trajectory(model, tokenizer, url: str, question: str, search
     import torch
     import torch.nn.functional as F
 
-    from agent.protocol import observation_ids, prompt_ids, prompt_text
-    from retriever.client import RetrieverClient, format_hits
+    from agent.protocol import format_hits, observation_ids, prompt_ids, prompt_text
+    from retriever.client import RetrieverClient
 
     with RetrieverClient(url) as client:
         observations = [format_hits(hits) for hits in client.search(searches, 3)]

@@ -4,14 +4,8 @@ import time
 import httpx
 import pytest
 
-from retriever.api import Hit
-from retriever.client import AsyncRetrieverClient, RetrieverClient, RetrieverError, RetrieverUnavailable, format_hits
+from retriever.client import AsyncRetrieverClient, RetrieverClient, RetrieverError, RetrieverUnavailable
 from retriever.process import free_port, running_server
-
-
-def test_format_hits_is_search_r1s_observation_text():
-    hits = [Hit("1", '"Pride and Prejudice"\nA novel by Jane Austen.', 1.0), Hit("2", '"Bath"\nA city.', 0.5)]
-    assert format_hits(hits) == "Doc 1(Title: Pride and Prejudice) A novel by Jane Austen.\nDoc 2(Title: Bath) A city."
 
 
 def test_sync_and_async_clients_batch_and_agree(server_url):

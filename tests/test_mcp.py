@@ -19,7 +19,8 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
-from retriever.client import RetrieverClient, format_hits
+from agent.protocol import format_hits
+from retriever.client import RetrieverClient
 from retriever.mcp_server import INDEX_RESOURCE, NO_HITS
 from retriever.process import free_port, running_server, start_server
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.protocol import observation_ids, prompt_ids, prompt_text
+from agent.protocol import format_hits, observation_ids, prompt_ids, prompt_text
 from agent.trajectory import Trajectory, load_jsonl
 from data.qa import QAExample
 from eval.metrics import normalize_answer
-from retriever.client import Hit, RetrieverClient, format_hits
+from retriever.client import Hit, RetrieverClient
 from trainer.config import load_config
 from trainer.demonstrations import build_demonstrations, gold_in_hits, keyword_query
 from trainer.sft import SFTTrainer, sft_loss
@@ -237,3 +237,92 @@ def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_mod
     assert not list(tmp_path.rglob("*.building")) and not (tmp_path / "artifacts" / "indexes").exists()
     assert "building the" not in first.stdout + again.stdout
 
+
+
+# --- the demonstrations' exact text, pinned (a change of protocol text must be deliberate) -------------------------
+
+
+class FakeRetriever:
+    """A fake retriever for unit tests: fixed hits per query, as `RetrieverClient.search` returns them."""
+
+    def __init__(self, hits: dict[str, list[Hit]]):
+        self.hits = hits
+
+    def search(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]:
+        return [self.hits.get(query, [])[:topk] for query in queries]
+
+
+AUSTEN = [Hit("1", '"Bath"\nA city in England.', 2.0), Hit("2", '"Pride and Prejudice"\nA novel by Jane Austen.', 1.0)]
+MISS = [Hit("3", '"Prejudice"\nA preconceived opinion.', 1.0)]
+PINNED_OBS = ("Doc 1(Title: Bath) A city in England.\nDoc 2(Title: Pride and Prejudice) A novel by Jane Austen.",
+              "Doc 1(Title: Prejudice) A preconceived opinion.")
+
+
+def pinned_ids(tokenizer, pieces: list[tuple[str, str]]) -> list[int]:
+    """The response ids of ("model", text) and ("observation", body) pieces, written out without agent.protocol's
+    helpers: the text the demonstrations were made of before the protocol's text moved into one module."""
+    ids: list[int] = []
+    for kind, text in pieces:
+        if kind == "model":
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids += (tokenizer.encode("\n\n<information>", add_special_tokens=False)
+                    + tokenizer.encode(text, add_special_tokens=False)[:MAX_OBS]
+                    + tokenizer.encode("</information>\n\n", add_special_tokens=False))
+    return ids
+
+
+def test_demonstrations_are_the_pinned_text(tokenizer):
+    examples = [example(0, "who wrote pride and prejudice?", "Jane Austen"),
+                example(1, "what is pride and prejudice?", "Pride and Prejudice"),
+                example(2, "what is the qwzx number?", "xyzzy")]
+    retriever = FakeRetriever({"who wrote pride and prejudice": AUSTEN, "wrote pride prejudice": MISS,
+                               "what is pride and prejudice": AUSTEN, "pride prejudice": AUSTEN})
+    demos, counts = build_demonstrations(examples, retriever, tokenizer, topk=3, max_obs_tokens=MAX_OBS)
+    assert counts == {"questions_seen": 3, "dropped_answer_not_shown": 1, "demonstrations": 2, "one_search": 1,
+                      "two_search": 1}
+    two, one = demos
+    assert two.prompt_ids == prompt_ids(tokenizer, (
+        "Answer the given question. Every time you get new information, first reason about it inside <think> and "
+        "</think>. If you find you are missing some knowledge, you can call a search engine with <search> query "
+        "</search>, and its top results will be returned between <information> and </information>. You may search "
+        "as many times as you need. When no more outside knowledge is needed, give the answer inside <answer> and "
+        "</answer> without a detailed explanation, for example <answer> Beijing </answer>. Question: who wrote pride "
+        "and prejudice?\n"))
+    assert two.response_ids == pinned_ids(tokenizer, [
+        ("model", "<think> I need to look this up. </think>\n<search> wrote pride prejudice </search>"),
+        ("observation", PINNED_OBS[1]),
+        ("model", "<think> These documents do not give the answer. I will search again. </think>\n"
+                  "<search> who wrote pride and prejudice </search>"),
+        ("observation", PINNED_OBS[0]),
+        ("model", "<think> Doc 2 has the answer. </think>\n<answer> Jane Austen </answer>"),
+    ])
+    assert one.response_ids == pinned_ids(tokenizer, [
+        ("model", "<think> I need to look this up. </think>\n<search> what is pride and prejudice </search>"),
+        ("observation", PINNED_OBS[0]),
+        ("model", "<think> Doc 2 has the answer. </think>\n<answer> Pride and Prejudice </answer>"),
+    ])
+    assert [t.doc_ids for t in two.turns] == [["3"], ["1", "2"], []] and two.answer == "Jane Austen"
+
+
+def test_mechanism_demonstrations_are_the_pinned_text(tokenizer):
+    from experiments.mechanism.demos import build_demonstrations as mechanism_demonstrations
+    from experiments.mechanism.kb import KBQuestion
+
+    question = KBQuestion(example(5, "in which country was Ann born?", "England"), "birth_country",
+                          ("where was Ann born", "which country is Bath in"), bridge="Bath")
+    retriever = FakeRetriever({"where was Ann born": [Hit("7", '"Ann"\nAnn was born in Bath.', 1.0)],
+                               "which country is Bath in": [Hit("1", '"Bath"\nBath is a city in England.', 1.0)]})
+    (full,), _ = mechanism_demonstrations([question], retriever, tokenizer, topk=1, max_obs_tokens=MAX_OBS,
+                                          full_rate=1.0, seed=0)
+    (weak,), _ = mechanism_demonstrations([question], retriever, tokenizer, topk=1, max_obs_tokens=MAX_OBS,
+                                          full_rate=0.0, seed=0)
+    assert full.response_ids == pinned_ids(tokenizer, [
+        ("model", "<search> where was Ann born </search>"), ("observation", "Doc 1(Title: Ann) Ann was born in Bath."),
+        ("model", "<search> which country is Bath in </search>"),
+        ("observation", "Doc 1(Title: Bath) Bath is a city in England."), ("model", "<answer> England </answer>"),
+    ])
+    assert weak.response_ids == pinned_ids(tokenizer, [
+        ("model", "<search> where was Ann born </search>"), ("observation", "Doc 1(Title: Ann) Ann was born in Bath."),
+        ("model", "<answer> Bath </answer>"),
+    ])

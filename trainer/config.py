@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer import registry
+from trainer.reward import REWARDS
 
 
 def installed_rollout_backend() -> Literal["transformers", "vllm"]:
@@ -179,7 +180,13 @@ class EMASection(Section):
 
 
 class RewardSection(Section):
+    name: str = "em"  # the metric that scores the answer, from trainer.reward.REWARDS (em, f1)
     format: float = Field(0.0, ge=0, lt=1)  # bonus for a well-formed trajectory; < 1 so it never beats a correct answer
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, name: str) -> str:
+        return registered(REWARDS, name)
 
 
 class SFTSection(Section):

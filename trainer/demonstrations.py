@@ -19,15 +19,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.protocol import encode, observation_ids, prompt_ids, prompt_text
+from agent.protocol import (
+    answer_turn,
+    encode,
+    format_hits,
+    observation_ids,
+    prompt_ids,
+    prompt_text,
+    search_turn,
+    shown_documents,
+    think,
+)
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
 from eval.metrics import normalize_answer
-from retriever.client import Hit, format_hits
+from retriever.client import Hit
 
-FIRST_THINK = "<think> I need to look this up. </think>\n"
-MISS_THINK = "<think> These documents do not give the answer. I will search again. </think>\n"
-HIT_THINK = "<think> Doc {doc} has the answer. </think>\n"
+# The demonstrations' thoughts (agent.protocol.think wraps them in the protocol's tags).
+FIRST_THOUGHT = "I need to look this up."
+MISS_THOUGHT = "These documents do not give the answer. I will search again."
+HIT_THOUGHT = "Doc {doc} has the answer."
 
 # Words dropped to make the short first query of a two-search demonstration (it usually retrieves worse).
 _QUERY_STOPWORDS = frozenset(
@@ -50,12 +61,8 @@ def gold_in_hits(golden_answers: Sequence[str], hits: list[Hit], shown_text: str
     """(1-based doc number, gold answer) of the first document whose part of `shown_text` (the observation as the
     model sees it, possibly truncated) contains a normalised gold answer; None when no shown document does."""
     answers = [(normalize_answer(g), g) for g in golden_answers if normalize_answer(g)]
-    for i in range(1, len(hits) + 1):
-        start = shown_text.find(f"Doc {i}(Title:")
-        if start < 0:  # truncated away, with every document after it
-            return None
-        end = shown_text.find(f"Doc {i + 1}(Title:", start)
-        doc = normalize_answer(shown_text[start : end if end >= 0 else len(shown_text)])
+    for i, shown in enumerate(shown_documents(shown_text, len(hits)), 1):
+        doc = normalize_answer(shown)
         for norm, gold in answers:
             if norm in doc:
                 return i, gold
@@ -82,18 +89,18 @@ def demonstration(tokenizer, example: QAExample, searches: list[tuple[str, Obser
         uid=f"{example.id}#demo", group_id=example.id, question=example.question,
         golden_answers=list(example.golden_answers), prompt_ids=prompt_ids(tokenizer, prompt_text(example.question)),
     )
-    think = FIRST_THINK
+    thought = FIRST_THOUGHT
     for query, obs in searches:
-        ids = encode(tokenizer, f"{think}<search> {query} </search>")
+        ids = encode(tokenizer, think(thought) + search_turn(query))
         # Demonstrations have no sampler: 0.0 stands in for the log-probs (SFT never reads them).
         start, end = traj.append(ids, model=True, logprobs=[0.0] * len(ids))
         turn = Turn(kind="search", start=start, end=end, finish_reason="stop", query=query,
                     doc_ids=[h.id for h in obs.hits])
         _, turn.observation_end = traj.append(obs.ids, model=False)
         traj.turns.append(turn)
-        think = MISS_THINK
+        thought = MISS_THOUGHT
     doc, gold = found
-    ids = encode(tokenizer, f"{HIT_THINK.format(doc=doc)}<answer> {gold} </answer>")
+    ids = encode(tokenizer, think(HIT_THOUGHT.format(doc=doc)) + answer_turn(gold))
     start, end = traj.append(ids, model=True, logprobs=[0.0] * len(ids))
     traj.turns.append(Turn(kind="answer", start=start, end=end, finish_reason="stop"))
     traj.answer, traj.done = gold, True

@@ -23,15 +23,13 @@ import torch
 from transformers import set_seed
 
 from agent.backend import Generation, SamplingParams
+from agent.seeds import worker_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
 from retriever.process import free_port
 from trainer.batch import RolloutBatch
 from trainer.config import TrainConfig
 from trainer.engine import PolicyTrainer, rollout_agent, rollout_backend
-
-# Each rollout worker's seeds are offset by this much, so two workers never draw the same random stream.
-WORKER_SEED_STRIDE = 1_000_003 * 7
 
 
 def _policy(cfg: TrainConfig, device: str):
@@ -230,4 +228,4 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 
 def worker_params(params: SamplingParams, worker: int) -> SamplingParams:
-    return params if params.seed is None else replace(params, seed=params.seed + worker * WORKER_SEED_STRIDE)
+    return replace(params, seed=worker_seed(params.seed, worker))

@@ -17,6 +17,7 @@ from agent.backend import RolloutBackend, SamplingParams
 from agent.continuous import search_agent
 from agent.hf_backend import TransformersBackend
 from agent.rollout import RolloutAgent, RolloutConfig
+from agent.seeds import update_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
 from trainer.batch import RolloutBatch
@@ -134,7 +135,7 @@ class PolicyTrainer:
         prepared = self.learner.prepare(batch)
         timings = {"time_prepare_s": time.perf_counter() - start}
         start = time.perf_counter()
-        generator = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+        generator = torch.Generator().manual_seed(update_seed(cfg.seed, iteration))
         stats = self.learner.update(prepared, generator, iteration)
         timings["time_update_s"] = time.perf_counter() - start
         start = time.perf_counter()

@@ -4,7 +4,8 @@ Per iteration:
     0. weight sync: an engine with its own copy of the weights (vLLM) gets the policy's, in place
     1. sample B prompts (a seeded permutation per epoch; the cursor is checkpointed)
     2. G rollouts each with the current policy (token-exact trajectories, retrieval over HTTP)
-    3. rewards (EM, + optional format bonus) -> advantages per group (group id = example id; `train.advantage`)
+    3. rewards (`reward.name`, EM by default, + optional format bonus) -> advantages per group (group id =
+       example id; `train.advantage`)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
     5. the guard (trainer.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
        checkpoint at a lower learning rate (guard.rollback)
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from agent.backend import SamplingParams
+from agent.seeds import rollout_seed
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
 from trainer.batch import collate
@@ -71,7 +73,7 @@ class Trainer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampler = PromptSampler(examples, cfg.seed)
-        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format))
+        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format, cfg.reward.name))
         self.iteration = 0
         self.guard = Guard(cfg.guard, cfg.run_dir)
 
@@ -123,7 +125,7 @@ class Trainer:
         start = time.perf_counter()
         examples = self.sampler.next(t.prompts_per_iteration)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_tokens_per_turn, seed=cfg.seed * 1_000_003 + self.iteration)
+                                max_tokens=cfg.rollout.max_tokens_per_turn, seed=rollout_seed(cfg.seed, self.iteration))
         trajs, rollout_stats = self.engine.rollout(examples, params, t.rollouts_per_prompt)
         timings["time_rollout_s"] = time.perf_counter() - start
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from agent.protocol import encode, prompt_ids, prompt_text
+from agent.protocol import answer_turn, encode, prompt_ids, prompt_text, search_turn
 from agent.trajectory import Trajectory, Turn
 from experiments.mechanism.kb import KBQuestion
 from trainer.demonstrations import Observation, observe
@@ -67,10 +67,10 @@ def lean_demonstration(tokenizer, question: KBQuestion, searches: list[tuple[str
 
     for query, obs in searches:
         turn = Turn(kind="search", start=0, end=0, finish_reason="stop", query=query, doc_ids=[h.id for h in obs.hits])
-        turn.start, turn.end = model_turn(f"<search> {query} </search>")
+        turn.start, turn.end = model_turn(search_turn(query))
         _, turn.observation_end = traj.append(obs.ids, model=False)
         traj.turns.append(turn)
-    start, end = model_turn(f"<answer> {answer} </answer>")
+    start, end = model_turn(answer_turn(answer))
     traj.turns.append(Turn(kind="answer", start=start, end=end, finish_reason="stop"))
     traj.answer, traj.done = answer, True
     return traj
