@@ -7,7 +7,7 @@ no-search turn, observation truncation and retrieval-failure handling are the sa
 returns goes straight back to the engine while others are still generating; nothing waits for a batch-wide turn.
 Searches of concurrent trajectories still meet in the server's cross-request batcher.
 
-At most `max_concurrency` trajectories are in flight (the others wait, in order): that bounds the engine's batch
+At most `settings.max_in_flight` trajectories are in flight (the others wait, in order): that bounds the engine's batch
 and the KV cache it needs. A trajectory's seed for turn t is row_seed(turn_seed(params.seed, t), its index)
 (agent.seeds), as in the per-turn loop on vLLM, so its samples do not depend on when the other trajectories finish.
 """
@@ -18,14 +18,14 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import nullcontext
-from functools import partial
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from agent.backend import Generation, SamplingParams
-from agent.rollout import RolloutAgent, RolloutConfig, RolloutSteps, SearchAgent
+from agent.rollout import RolloutSteps
+from agent.settings import RolloutSettings
 from agent.trajectory import Trajectory
 from data.qa import QAExample
-from retriever.client import AsyncRetrieverClient, Hit, RetrieverClient, RetrieverError
+from retriever.client import Hit, RetrieverError
 
 T = TypeVar("T")
 
@@ -73,17 +73,16 @@ class IdleClock:
 
 class ContinuousSearchAgent(RolloutSteps):
     def __init__(self, engine: AsyncEngine, tokenizer, open_retriever: Callable[[], AsyncSearcher] | None,
-                 config: RolloutConfig, max_concurrency: int = 32):
+                 settings: RolloutSettings):
         """`open_retriever()` makes an async client (an async context manager), opened on the engine's loop for each
         rollout: e.g. `functools.partial(AsyncRetrieverClient, urls, timeout_s=30)`."""
-        if open_retriever is None and config.mode != "direct":
-            raise ValueError(f"mode {config.mode!r} needs a retriever")
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-        super().__init__(tokenizer, config)
+        if open_retriever is None and settings.mode != "direct":
+            raise ValueError(f"mode {settings.mode!r} needs a retriever")
+        super().__init__(tokenizer, settings)
         self.engine = engine
         self.open_retriever = open_retriever
-        self.max_concurrency = max_concurrency
+        self.max_concurrency = settings.max_in_flight
+        self.rows_per_call: int | None = None  # any number: at most max_concurrency of them are in flight
         self.retrieval_wait_s = 0.0  # the last rollout's (IdleClock)
 
     def rollout(self, examples: list[QAExample], params: SamplingParams, samples_per_example: int = 1,
@@ -95,7 +94,7 @@ class ContinuousSearchAgent(RolloutSteps):
         clock = IdleClock()
         async with (self.open_retriever() if self.open_retriever is not None else nullcontext()) as retriever:
             passages, error = None, None
-            if self.config.mode == "rag":
+            if self.settings.mode == "rag":
                 passages, error = await self._search(retriever, [ex.question for ex in examples], clock)
             trajectories = self.trajectories(examples, self.prompts(examples, passages, error), samples)
             slots = asyncio.Semaphore(self.max_concurrency)
@@ -134,20 +133,9 @@ class ContinuousSearchAgent(RolloutSteps):
         assert retriever is not None
         clock.change(searching=1)
         try:
-            return await retriever.search(queries, self.config.topk), None
+            return await retriever.search(queries), None
         except RetrieverError as e:  # this trajectory goes on; the failure is shown to the model and recorded
             return None, str(e)
         finally:
             clock.change(searching=-1)
 
-
-def search_agent(backend, tokenizer, retriever: RetrieverClient | None, config: RolloutConfig, *,
-                 retriever_timeout_s: float = 30.0, max_concurrency: int = 32) -> RolloutAgent:
-    """The continuous scheduler on an engine with an event loop of its own (vLLM), the per-turn loop on any other
-    (transformers). `retriever`: the run's blocking client; the continuous scheduler opens an async client on the
-    same URLs for each rollout."""
-    if not isinstance(backend, AsyncEngine):
-        return SearchAgent(backend, tokenizer, retriever, config)
-    open_retriever = None if retriever is None else partial(AsyncRetrieverClient, retriever.urls, topk=config.topk,
-                                                            timeout_s=retriever_timeout_s)
-    return ContinuousSearchAgent(backend, tokenizer, open_retriever, config, max_concurrency)

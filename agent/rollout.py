@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from dataclasses import replace
+from typing import Protocol
 
 from agent.backend import Generation, RolloutBackend, SamplingParams
 from agent.protocol import (
@@ -33,19 +33,27 @@ from agent.protocol import (
     prompt_text,
 )
 from agent.seeds import turn_seed
+from agent.settings import Mode, RolloutSettings
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
 from retriever.client import Hit, RetrieverError
 
-Mode = Literal["agent", "direct", "rag"]
+
+__all__ = ["Mode", "RolloutAgent", "RolloutSteps", "SearchAgent", "Searcher"]
 
 
 class Searcher(Protocol):
+    """What the agent searches with (retriever.client.RetrieverClient): `topk=None` means the searcher's own top-k,
+    which is the run's (`retriever.topk`)."""
+
     def search(self, queries: list[str], topk: int | None = None) -> list[list[Hit]]: ...
 
 
 class RolloutAgent(Protocol):
     retrieval_wait_s: float  # the last rollout's seconds with the engine waiting on retrieval
+    # The most examples x samples one `rollout` call should carry (the per-turn loop holds them all in one batch
+    # through every turn); None: any number (the continuous scheduler caps what is in flight itself).
+    rows_per_call: int | None
 
     def rollout(self, examples: list[QAExample], params: SamplingParams, samples_per_example: int = 1,
                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
@@ -53,32 +61,23 @@ class RolloutAgent(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    max_turns: int = 4  # turns that may search; one final turn without search follows
-    max_tokens_per_turn: int = 500
-    max_obs_tokens: int = 500
-    topk: int = 3
-    mode: Mode = "agent"
-
-
 class RolloutSteps:
     """The protocol's steps for one trajectory, shared by both schedulers: prompts, sampling parameters per turn,
     what a generated turn means, what is appended after it, and the final answer."""
 
-    def __init__(self, tokenizer, config: RolloutConfig):
+    def __init__(self, tokenizer, settings: RolloutSettings):
         self.tokenizer = tokenizer
-        self.config = config
+        self.settings = settings
 
     @property
     def search_turns(self) -> int:
         """Turns that may search; one final turn without search follows them."""
-        return self.config.max_turns if self.config.mode == "agent" else 0
+        return self.settings.max_turns if self.settings.mode == "agent" else 0
 
     def prompts(self, examples: list[QAExample], passages: list[list[Hit]] | None,
                 error: str | None = None) -> list[list[int]]:
         """Prompt ids; rag mode puts each question's passages (one search of all questions) in its prompt."""
-        mode = self.config.mode
+        mode = self.settings.mode
         if mode != "rag":
             return [prompt_ids(self.tokenizer, prompt_text(ex.question, mode)) for ex in examples]
         if passages is None:
@@ -101,7 +100,7 @@ class RolloutSteps:
 
     def turn_params(self, params: SamplingParams, turn: int) -> SamplingParams:
         # Each turn gets its own seed so a trajectory's samples differ across turns but the run is reproducible.
-        return replace(params, max_tokens=self.config.max_tokens_per_turn, seed=turn_seed(params.seed, turn))
+        return replace(params, max_tokens=self.settings.max_tokens_per_turn, seed=turn_seed(params.seed, turn))
 
     def stop(self, turn: int) -> list[str]:
         return [ANSWER_STOP] if turn == self.search_turns else [SEARCH_STOP, ANSWER_STOP]
@@ -132,7 +131,7 @@ class RolloutSteps:
         else:
             turn.doc_ids = [h.id for h in hits]
             body = format_hits(hits)
-        _, turn.observation_end = traj.append(observation_ids(self.tokenizer, body, self.config.max_obs_tokens),
+        _, turn.observation_end = traj.append(observation_ids(self.tokenizer, body, self.settings.max_obs_tokens),
                                               model=False)
 
     def finish(self, traj: Trajectory) -> None:
@@ -142,11 +141,12 @@ class RolloutSteps:
 class SearchAgent(RolloutSteps):
     """The per-turn loop: every active trajectory's turn in one backend call, then one search for all of them."""
 
-    def __init__(self, backend: RolloutBackend, tokenizer, retriever: Searcher | None, config: RolloutConfig):
-        if retriever is None and config.mode != "direct":
-            raise ValueError(f"mode {config.mode!r} needs a retriever")
-        super().__init__(tokenizer, config)
+    def __init__(self, backend: RolloutBackend, tokenizer, retriever: Searcher | None, settings: RolloutSettings):
+        if retriever is None and settings.mode != "direct":
+            raise ValueError(f"mode {settings.mode!r} needs a retriever")
+        super().__init__(tokenizer, settings)
         self.backend = backend
+        self.rows_per_call: int | None = settings.max_in_flight
         self.retriever = retriever
         self.retrieval_wait_s = 0.0  # the last rollout's seconds in searches (the whole batch waits for them)
 
@@ -154,7 +154,7 @@ class SearchAgent(RolloutSteps):
         assert self.retriever is not None
         start = time.perf_counter()
         try:
-            return self.retriever.search(queries, self.config.topk), None
+            return self.retriever.search(queries), None
         except RetrieverError as e:  # the rollout goes on; the failure is shown to the model and recorded
             return None, str(e)
         finally:
@@ -163,7 +163,7 @@ class SearchAgent(RolloutSteps):
     def rollout(self, examples: list[QAExample], params: SamplingParams, samples_per_example: int = 1,
                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         self.retrieval_wait_s = 0.0
-        passages, error = self._search([ex.question for ex in examples]) if self.config.mode == "rag" else (None, None)
+        passages, error = self._search([ex.question for ex in examples]) if self.settings.mode == "rag" else (None, None)
         trajectories = self.trajectories(examples, self.prompts(examples, passages, error), samples_per_example)
         rows = {id(t): row for row, t in enumerate(trajectories)}  # a trajectory's row seeds engines that take one
         for turn_index in range(self.search_turns + 1):

@@ -1,5 +1,5 @@
 """The held-out evaluation on vLLM, laid out in different ways, in one run on one engine: per set (each set its own
-continuous run, rollout.batch_size trajectories in flight, so each set ends on a tail of a few long trajectories)
+continuous run, rollout.max_in_flight trajectories in flight, so each set ends on a tail of a few long trajectories)
 against the sets pooled into one continuous run (eval.harness.evaluate's way since session 15), and more
 trajectories in flight. Prints one JSON line.
 
@@ -50,17 +50,17 @@ def main() -> None:
 
     from transformers import set_seed
 
+    from agent.factory import make_agent, open_backend
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import connect_retriever, eval_examples
+    from emapg.session import connect_retriever
+    from emapg.workflow import eval_examples
     from eval.harness import model_text, run_mode, run_pooled, score
     from trainer.checkpoint import load_policy_weights
     from trainer.config import load_config
-    from trainer.engine import rollout_backend, rollout_config
 
     cfg = load_config(args.config, [f"data.scan_limit={args.scan_limit}", f"retriever.index={args.index}",
                                     "rollout.backend=vllm", f"rollout.kv_cache_gib={args.kv_cache_gib}"])
     set_seed(cfg.seed)
-    config = rollout_config(cfg)
     result: dict = {"benchmark": "eval_concurrency", "config": str(args.config), "init": str(args.init),
                     "kv_cache_gib": args.kv_cache_gib, "variants": {}}
     with contextlib.redirect_stdout(sys.stderr):
@@ -70,18 +70,19 @@ def main() -> None:
         tokenizer = load_tokenizer(cfg.model)
         policy = load_policy(cfg.model, dtype=cfg.dtype)
         policy.load_state_dict(load_policy_weights(args.init))
-        backend = rollout_backend(cfg, tokenizer, policy)
+        backend = open_backend(cfg.rollout, cfg.model, tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
         first_ids = None
         try:
             for layout, width in args.variants:
                 with connect_retriever(cfg) as (client, _):  # a fresh server: a cold result cache
                     backend.load_weights(policy.named_parameters())  # same weights; empties the prefix cache
+                    agent = make_agent(backend, tokenizer, client, cfg.rollout.model_copy(update={"max_in_flight": width}),
+                                       retriever_timeout_s=cfg.retriever.timeout_s)
                     start = time.perf_counter()
                     if layout == "pooled":
-                        trajectories = list(run_pooled(backend, tokenizer, client, held_out, config, width).values())
+                        trajectories = list(run_pooled(agent, held_out).values())
                     else:
-                        trajectories = [run_mode(backend, tokenizer, client, examples, config, width)
-                                        for examples in held_out.values()]
+                        trajectories = [run_mode(agent, examples) for examples in held_out.values()]
                     seconds = time.perf_counter() - start
                 flat = [t for per_set in trajectories for t in per_set]
                 results = [score(ts, name, "agent", seconds, [model_text(tokenizer, t) for t in ts])

@@ -36,8 +36,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the one JSON line
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["time_weight_sync_s", "time_rollout_s", "rollout_retrieval_wait_s", "time_prepare_s", "time_update_s",
-          "time_ema_s"]
+PHASES = ["time/weight_sync_s", "time/rollout_s", "rollout/retrieval_wait_s", "time/prepare_s", "time/update_s",
+          "time/ema_s"]
 # Each way's config overrides, in this order (a vLLM problem shows first). The old way is the iteration as it ran when
 # issue 13 was filed: transformers rollouts with the per-turn barrier, and whole-row learner passes (shared-prefix
 # passes are issue 13's "less learner work per iteration"). The new way is the defaults.
@@ -87,7 +87,8 @@ def cpu_kind() -> str:
 def evaluation(ways: dict, tokenizer, client, held_out, out: Path) -> dict:
     """Each way's greedy evaluation of the held-out questions from the SFT weights: seconds, EM, and (vLLM) generated
     tokens per kept token; how many trajectories the two ways share token for token."""
-    from emapg.workflow import run_eval
+    from agent.factory import make_agent
+    from eval.harness import evaluate
 
     result, trajectories = {}, {}
     for name, way in ways.items():
@@ -97,8 +98,15 @@ def evaluation(ways: dict, tokenizer, client, held_out, out: Path) -> dict:
         runs = [{dataset: examples} for dataset, examples in held_out.items()] if name == "old" else [held_out]
         seconds, results, trajectories[name] = 0.0, [], []
         for i, datasets in enumerate(runs):
-            report = run_eval(way["trainer"].cfg, way["policy"], tokenizer, client, datasets, name,
-                              out / f"eval-{name}-{i}", "held-out", way["backend"])
+            cfg, backend = way["trainer"].cfg, way["backend"]
+            backend.load_weights(way["policy"].named_parameters())
+
+            def agent_for(mode, cfg=cfg, backend=backend):
+                return make_agent(backend, tokenizer, client, cfg.rollout.with_mode(mode),
+                                  retriever_timeout_s=cfg.retriever.timeout_s)
+
+            report = evaluate(agent_for, tokenizer, datasets, ["agent"], model_name=name, subset="held-out",
+                              out_dir=out / f"eval-{name}-{i}")
             seconds, results = seconds + report.seconds, results + report.results
             trajectories[name] += [json.loads(line) for dataset in datasets
                                    for line in (out / f"eval-{name}-{i}" / "trajectories" /
@@ -127,12 +135,12 @@ def iterations(ways: dict, count: int) -> dict:
             metrics = way["trainer"].step()
             wall = time.perf_counter() - start
             runs[name].append({"iteration_s": round(wall, 2), **{p: round(metrics[p], 2) for p in PHASES},
-                               "reward": round(metrics["reward"], 3),
-                               "response_tokens": round(metrics["response_tokens"], 1)})
+                               "reward": round(metrics["rollout/reward"], 3),
+                               "response_tokens": round(metrics["rollout/response_tokens"], 1)})
             if way["counter"]:
                 t = way["trainer"].cfg.train
                 generated += way["counter"].tokens - before
-                kept += metrics["response_tokens"] * t.prompts_per_iteration * t.rollouts_per_prompt
+                kept += metrics["rollout/response_tokens"] * t.prompts_per_iteration * t.rollouts_per_prompt
     result = {name: {"overrides": WAYS[name], "iteration_s": statistics.median(r["iteration_s"] for r in per_iteration),
                      "phases_s": {p: round(statistics.median(r[p] for r in per_iteration), 2) for p in PHASES},
                      "per_iteration": per_iteration}
@@ -140,7 +148,7 @@ def iterations(ways: dict, count: int) -> dict:
     result["iteration_new_over_old"] = round(result["new"]["iteration_s"] / result["old"]["iteration_s"], 3)
     # How much of that the rollouts give alone: the old way's iterations with the new way's learner phases in place of
     # its own (an estimate from the phases, not a run).
-    learner = ["time_prepare_s", "time_update_s"]
+    learner = ["time/prepare_s", "time/update_s"]
     same_learner = [o["iteration_s"] - sum(o[p] for p in learner) + sum(n[p] for p in learner)
                     for o, n in zip(runs["old"], runs["new"], strict=True)]
     result["iteration_new_over_old_same_learner_estimate"] = round(
@@ -168,10 +176,12 @@ def main() -> None:
     from transformers import set_seed
 
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import connect_retriever, eval_examples, train_examples
+    from agent.factory import make_agent, open_backend
+    from emapg.session import connect_retriever
+    from emapg.workflow import eval_examples, train_examples
     from trainer.checkpoint import load_policy_weights
     from trainer.config import load_config
-    from trainer.engine import LocalEngine, rollout_backend
+    from trainer.engine import LocalEngine
     from trainer.loop import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="iteration-bench-"))
@@ -197,10 +207,10 @@ def main() -> None:
                 policy = load_policy(wcfg.model, dtype=wcfg.dtype)
                 policy.load_state_dict(sft)
                 start = time.perf_counter()
-                backend = rollout_backend(wcfg, tokenizer, policy)
+                backend = open_backend(wcfg.rollout, wcfg.model, tokenizer, policy, dtype=wcfg.dtype, seed=wcfg.seed)
+                agent = make_agent(backend, tokenizer, client, wcfg.rollout, retriever_timeout_s=wcfg.retriever.timeout_s)
                 ways[name] = {"policy": policy, "backend": backend, "counter": None,
-                              "trainer": Trainer(wcfg, LocalEngine(wcfg, policy, tokenizer, backend, client),
-                                                 tokenizer, train)}
+                              "trainer": Trainer(wcfg, LocalEngine(wcfg, policy, backend, agent), tokenizer, train)}
                 if wcfg.rollout.backend == "vllm":
                     result["vllm_startup_s"] = round(time.perf_counter() - start, 1)
                     result["vllm_engine_memory"] = engine_memory_gib()

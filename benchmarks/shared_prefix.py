@@ -59,11 +59,13 @@ def main() -> None:
     import torch
     from transformers import set_seed
 
+    from agent.factory import make_agent, open_backend
     from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import connect_retriever, train_examples
+    from emapg.session import connect_retriever
+    from emapg.workflow import train_examples
     from trainer.checkpoint import load_policy_weights
     from trainer.config import load_config
-    from trainer.engine import LocalEngine, PolicyTrainer, rollout_backend
+    from trainer.engine import LocalEngine, PolicyTrainer
     from trainer.loop import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="shared-prefix-bench-"))
@@ -84,9 +86,10 @@ def main() -> None:
         for name in timings:
             policies[name] = load_policy(cfg.model, dtype=cfg.dtype)
             policies[name].load_state_dict(sft)
-        backend = rollout_backend(cfg, tokenizer, policies["shared"])
+        backend = open_backend(cfg.rollout, cfg.model, tokenizer, policies["shared"], dtype=cfg.dtype, seed=cfg.seed)
         try:
-            engine = LocalEngine(cfg, policies["shared"], tokenizer, backend, client)
+            agent = make_agent(backend, tokenizer, client, cfg.rollout, retriever_timeout_s=cfg.retriever.timeout_s)
+            engine = LocalEngine(cfg, policies["shared"], backend, agent)
             learners = {"shared": engine.learning, "whole": PolicyTrainer(off_cfg, policies["whole"])}
             counters = {name: TokenRows(policies[name]) for name in learners}
             learn = engine.learn
@@ -111,7 +114,8 @@ def main() -> None:
                 start = time.perf_counter()
                 metrics = trainer.step()
                 print(f"iteration {trainer.iteration}: {time.perf_counter() - start:.0f} s, reward "
-                      f"{metrics['reward']:.3f}, {metrics['response_tokens']:.0f} response tokens", file=sys.stderr)
+                      f"{metrics['rollout/reward']:.3f}, {metrics['rollout/response_tokens']:.0f} response tokens",
+                      file=sys.stderr)
         finally:
             backend.close()
             shutil.rmtree(out)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from emapg.workflow import ARTIFACTS
-from trainer.config import installed_rollout_backend
+from agent.settings import installed_rollout_backend
 
 app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
 console = Console()
@@ -23,6 +23,17 @@ DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
 def _fail(message: str, to: Console = console) -> NoReturn:
     to.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
+
+
+@app.callback()
+def global_options(
+    verbose: Annotated[bool, typer.Option("--verbose", envvar="EMAPG_VERBOSE", help="show the engine's (vLLM's) "
+                                          "logs on the console; by default they go to the run folder's emapg.log")] = False,
+) -> None:
+    """EMA-PG search agents: retrieval service, rollouts, training, evaluation."""
+    from emapg.console import setup
+
+    setup(verbose)
 
 
 @app.command()
@@ -275,8 +286,8 @@ def eval_command(
     max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 500,
     max_obs_tokens: Annotated[int, typer.Option(min=1)] = 500,
     topk: Annotated[int, typer.Option(min=1)] = 3,
-    batch_size: Annotated[int, typer.Option(min=1, help="rows generating at once: a transformers batch, or "
-                                            "questions in flight on vLLM")] = 16,
+    max_in_flight: Annotated[int, typer.Option(min=1, help="trajectories generating at once: a transformers batch, "
+                                               "or questions in flight on vLLM (rollout.max_in_flight)")] = 32,
     backend: Annotated[str, typer.Option(help="rollout engine: vllm (continuous rollouts; the default where it is "
                                          "installed) or transformers (the per-turn loop)")] = installed_rollout_backend(),
     out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
@@ -288,19 +299,14 @@ def eval_command(
 ) -> None:
     """Exact match of a policy on QA benchmarks in direct, RAG and agent modes; writes a report and a chart."""
     arguments = {name: str(value) if isinstance(value, Path) else value for name, value in locals().items()}
-    from contextlib import nullcontext
-
     from pydantic import ValidationError
 
-    from agent.policy import load_policy, load_tokenizer
-    from agent.rollout import RolloutConfig
-    from emapg.workflow import answerable, load_datasets, served_index_tag
-    from eval.harness import evaluate
-    from retriever.client import RetrieverClient, retrieve_endpoints
-    from retriever.process import running_server
+    from agent.settings import RolloutSettings
+    from emapg.session import open_session
+    from emapg.workflow import answerable, load_datasets
+    from retriever.client import retrieve_endpoints
     from trainer.checkpoint import CheckpointError, load_policy_weights
-    from trainer.config import RolloutSection, TrainConfig, WandbSection
-    from trainer.engine import rollout_backend
+    from trainer.config import RetrieverConfig, TrainConfig, WandbSection
     from trainer.wandb_logger import attach_reports
 
     try:
@@ -324,36 +330,30 @@ def eval_command(
         data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
+    # The evaluation's whole configuration: the session opens what it names (a started server on --index without
+    # --retriever-url; the policy only where it is sampled from in memory or carries a checkpoint).
+    cfg = TrainConfig(model=model, retriever=RetrieverConfig(url=retriever_url or None, index=index_dir, topk=topk,
+                                                             timeout_s=60),
+                      rollout=RolloutSettings(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                                              max_obs_tokens=max_obs_tokens, max_in_flight=max_in_flight,
+                                              backend=backend))
     _ensure_index(index_dir, retriever_url)  # after every option is checked: building the default takes minutes
-    server = nullcontext(retriever_url) if retriever_url else running_server(index_dir)
-    with server as urls, RetrieverClient(urls, topk=topk, timeout_s=60) as client:
-        tag = served_index_tag(client.urls)
+    with open_session(cfg) as session:
+        tag = session.index_tag
         if subset == "answerable":
-            data = {name: answerable(examples, client, answerable_k, tag, f"{name}-{split}")
+            data = {name: answerable(examples, session.client, answerable_k, tag, f"{name}-{split}")
                     for name, examples in data.items()}
         data = {name: examples[:limit] for name, examples in data.items()}
-        tokenizer = load_tokenizer(model)
-        policy = None  # vLLM loads --model itself; the policy is loaded only to sample from or to carry a checkpoint
-        if backend == "transformers" or checkpoint is not None:
-            policy = load_policy(model)
+        policy = None  # vLLM loads --model itself
         if checkpoint is not None:
+            policy = session.policy
             try:
                 policy.load_state_dict(load_policy_weights(checkpoint))
             except (CheckpointError, RuntimeError) as e:
                 _fail(f"--checkpoint: {e}")
-        cfg = TrainConfig(model=model, rollout=RolloutSection(backend=backend, batch_size=batch_size))
-        engine = rollout_backend(cfg, tokenizer, policy)
-        try:
-            if policy is not None:
-                engine.load_weights(policy.named_parameters())
-            config = RolloutConfig(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
-                                   max_obs_tokens=max_obs_tokens, topk=topk)
-            label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
-                f"full {split} set, first {limit}")
-            report = evaluate(engine, tokenizer, client, data, mode_list, config, model_name=model, subset=label,
-                              out_dir=out, batch_size=batch_size, retriever_timeout_s=60)
-        finally:
-            engine.close()
+        label = f"{subset} subset (top-{answerable_k} of {tag}), first {limit}" if subset == "answerable" else (
+            f"full {split} set, first {limit}")
+        report = session.evaluate(data, name=model, out_dir=out, subset=label, modes=mode_list, policy=policy)
     attach_reports(out, wandb, out.name, arguments, [out / "report.md", out / "report.json", out / "em.png"],
                    summary={f"em/{r.dataset}/{r.mode}": r.em for r in report.results}, job_type="eval")
     print(report.markdown())  # the Markdown source: readable as is, and wide tables do not get squeezed
@@ -415,17 +415,18 @@ def sft(
 ) -> None:
     """Warm start: build protocol demonstrations with the real retriever, then supervised training on their model
     tokens. Writes <run>/sft/checkpoints/ for `emapg train --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
-    from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import build_sft_data, connect_retriever, run_sft
+    from agent.policy import load_policy
+    from emapg.session import open_session
+    from emapg.workflow import build_sft_data, run_sft
 
     cfg = _run_config(ctx, config)
     if cfg.rollout.mode != "agent":
         _fail("sft builds search demonstrations: rollout.mode must be agent")
     _ensure_index(cfg.retriever.index, cfg.retriever.url)
-    with connect_retriever(cfg) as (client, tag):
-        examples = _train_questions(cfg, client, tag)
-        tokenizer = load_tokenizer(cfg.model)
-        demos = build_sft_data(cfg, client, tokenizer, examples)
+    with open_session(cfg) as session:
+        examples = _train_questions(cfg, session.client, session.index_tag)
+        tokenizer = session.tokenizer
+        demos = build_sft_data(cfg, session.client, tokenizer, examples)
     if not demos:
         _fail("no demonstrations: no train question's retrieved documents show its gold answer")
     path = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, demos)
@@ -441,19 +442,18 @@ def train(
                                               "e.g. SFT's; the anchor starts equal to it")] = None,
 ) -> None:
     """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
-    from agent.policy import load_policy, load_tokenizer
-    from emapg.workflow import connect_retriever, print_iteration
+    from emapg.session import open_session
+    from emapg.workflow import print_iteration
     from trainer.checkpoint import CheckpointError
-    from trainer.engine import LocalEngine, rollout_backend
     from trainer.guard import GuardError, events_markdown
     from trainer.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
     _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
-    with connect_retriever(cfg) as (client, tag):
-        examples = _train_questions(cfg, client, tag)
+    with open_session(cfg) as session:
+        client = session.client
+        examples = _train_questions(cfg, client, session.index_tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
-        tokenizer = load_tokenizer(cfg.model)
         if cfg.distributed.backend == "ray":
             from trainer.distributed import RayEngine
 
@@ -464,11 +464,9 @@ def train(
             except NotImplementedError as e:
                 _fail(str(e))
             close = engine.close
-        else:
-            policy = load_policy(cfg.model, dtype=cfg.dtype)
-            backend = rollout_backend(cfg, tokenizer, policy)
-            engine, close = LocalEngine(cfg, policy, tokenizer, backend, client), backend.close
-        trainer = Trainer(cfg, engine, tokenizer, examples)
+        else:  # the session closes its engine
+            engine, close = session.local_engine(), lambda: None
+        trainer = Trainer(cfg, engine, session.tokenizer, examples)
         try:
             try:
                 resume_or_start(trainer, resume, init)
@@ -515,16 +513,39 @@ def compare(
     """The paper's rows from the same SFT checkpoint, same seeds and budget: GRPO (fixed reference, k3 KL), EMA-k3
     (EMA anchor, k3) and EMA-PG (EMA anchor, Top-k KL); held-out EM over training, the EMA anchors at the end, and
     paired tests against SFT and between methods. Resumes if run again. Overrides as key=value."""
-    from emapg.compare import chosen_methods, run_compare
+    from emapg.compare import run_compare
+    from trainer.methods import chosen_methods
 
     try:
-        chosen = chosen_methods(methods)
+        chosen = [method.name for method in chosen_methods(methods)]
     except ValueError as e:
         _fail(str(e))
     cfg = _run_config(ctx, config)
     cfg.retriever.index = index_dir
     _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
     console.print(f"report: {run_compare(cfg, init, eval_every, chosen)}")
+
+
+@app.command()
+def view(
+    run_dirs: Annotated[list[Path], typer.Argument(help="run folders (a demo's, a comparison's, an evaluation's)")],
+    host: Annotated[str, typer.Option(help="bind address; the page serves the runs' files to whoever reaches it")] = (
+        "127.0.0.1"),
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8050,
+    tokenizer: Annotated[str | None, typer.Option(help="decodes the trajectories' token ids; default: each run's "
+                                                  "model (its config), else the packaged SmolLM2")] = None,
+) -> None:
+    """A local web page over run folders: training curves, every rollout and evaluation trajectory turn by turn
+    (queries, returned documents, answers), filters, and two runs side by side on the same questions."""
+    from emapg.view import serve
+
+    missing = [str(d) for d in run_dirs if not d.is_dir()]
+    if missing:
+        _fail(f"not a run folder: {', '.join(missing)}")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning:[/] {host}: whoever reaches the port can read these runs' trajectories")
+    console.print(f"emapg view: http://{host}:{port}/ over {', '.join(map(str, run_dirs))} (Ctrl-C stops it)")
+    serve(run_dirs, host=host, port=port, tokenizer_name=tokenizer)
 
 
 if __name__ == "__main__":

@@ -25,38 +25,15 @@ from contextlib import AbstractContextManager, nullcontext
 from itertools import combinations
 from pathlib import Path
 
-from emapg.demo import pooled, read_jsonl
-from emapg.workflow import (
-    build_sft_data,
-    connect_retriever,
-    console,
-    eval_examples,
-    print_iteration,
-    run_eval,
-    run_sft,
-    train_examples,
-)
+from emapg.session import Session, open_session
+from emapg.workflow import build_sft_data, console, eval_examples, print_iteration, run_sft, train_examples
 from eval.paired import paired_em, per_question_em
+from eval.report import EvalReport, plot_methods, pooled
+from trainer.bookkeeping import read_metrics
+from trainer.methods import METHODS
 
-# The methods differ only in these keys; everything else comes from the run's config. Their order is the report's
-# and the plot's colours'.
-VARIANTS = {
-    "GRPO": {"ema": {"tau": 1.0}, "kl": {"estimator": "k3"}},
-    "EMA-k3": {"ema": {}, "kl": {"estimator": "k3"}},
-    "EMA-PG": {"ema": {}, "kl": {"estimator": "topk"}},
-}
 SFT = "SFT"
 START_FILE = "sft_start.json"  # in the run folder: the SFT checkpoint every result in it started from
-
-
-def chosen_methods(spec: str) -> list[str]:
-    """The methods named in a comma-separated list (any case), in VARIANTS' order."""
-    canonical = {name.lower(): name for name in VARIANTS}
-    asked = [part.strip().lower() for part in spec.split(",") if part.strip()]
-    unknown = [name for name in asked if name not in canonical]
-    if unknown or not asked:
-        raise ValueError(f"unknown methods {unknown or [spec]}: choose from {', '.join(VARIANTS)}")
-    return [name for name in VARIANTS if name.lower() in asked]
 
 
 def anchor_name(method: str) -> str:
@@ -64,58 +41,22 @@ def anchor_name(method: str) -> str:
 
 
 def variant_config(cfg, name: str):
-    from trainer.config import TrainConfig
-
-    raw = cfg.model_dump()
-    for section, values in VARIANTS[name].items():
-        raw[section] = {**raw[section], **values}
-    raw["name"] = f"{cfg.name}/{name.lower()}"
-    return TrainConfig.model_validate(raw)
+    """The run config of method `name` (trainer.methods.METHODS): its keys over `cfg`, in a run folder of its own."""
+    return METHODS[name].config(cfg, run_name=f"{cfg.name}/{name.lower()}")
 
 
-def plot(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for i, (name, metrics) in enumerate(curves.items()):
-        color, it = f"C{list(VARIANTS).index(name)}", [m["iteration"] for m in metrics]
-        ax_r.plot(it, [m["reward"] for m in metrics], color=color, alpha=0.3)
-        window = 5  # a trailing mean: single iterations of a few groups are noisy
-        smooth = [sum(m["reward"] for m in metrics[max(0, j - window + 1) : j + 1]) / min(window, j + 1)
-                  for j in range(len(metrics))]
-        ax_r.plot(it, smooth, color=color, label=f"{name} (faint: per iteration; bold: mean of {window})")
-        points = held_out[name]
-        shift = 0.15 * (i - (len(curves) - 1) / 2)  # side by side, so equal values stay visible
-        ax_e.errorbar([j + shift for j, _ in points], [p["em"] for _, p in points],
-                      yerr=[[p["em"] - p["em_low"] for _, p in points], [p["em_high"] - p["em"] for _, p in points]],
-                      color=color, marker="o", capsize=3, label=name)
-    ax_r.set(title="training reward (rollouts)", xlabel="iteration")
-    ax_e.set(title="held-out EM (95% CI)", xlabel="iteration", ylim=(0, None))
-    ax_r.legend()
-    ax_e.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def held_out_eval(cfg, weights: AbstractContextManager, tokenizer, client, test, name: str, out_dir: Path,
-                  backend) -> dict:
+def held_out_eval(session: Session, weights: AbstractContextManager, test, name: str, out_dir: Path) -> dict:
     """Pooled held-out EM of the policy `weights` gives (entered only if needed), or of the evaluation an earlier
     (interrupted) run saved in `out_dir`."""
     if (row := saved_eval(out_dir)) is not None:
         console.print(f"{name}: reusing {out_dir / 'report.json'}")
         return row
     with weights as policy:
-        return pooled(run_eval(cfg, policy, tokenizer, client, test, name, out_dir, "held-out", backend))
+        return pooled(session.evaluate(test, name=name, out_dir=out_dir, subset="held-out", policy=policy))
 
 
 def saved_eval(out_dir: Path) -> dict | None:
     """The pooled row of the evaluation an earlier run saved in `out_dir`, or None if it has none."""
-    from eval.harness import EvalReport
-
     path = out_dir / "report.json"
     return pooled(EvalReport.load(path)) if path.exists() else None
 
@@ -148,35 +89,36 @@ def check_start(out: Path, init: Path) -> None:
                          "would compare two starts. Use that checkpoint, or a new run folder (name= or out_dir=)")
 
 
-def saved_variant(vcfg, start: dict, eval_every: int) -> tuple[list[tuple[int, dict]], dict | None] | None:
+def saved_variant(name: str, vcfg, start: dict, eval_every: int) -> tuple[list[tuple[int, dict]], dict | None] | None:
     """A method every evaluation of which (its anchor's too) an earlier run saved: its results read back, with no
     engine, trainer or checkpoint needed. None while any is missing."""
     iterations = vcfg.train.iterations
     rows = {i: saved_eval(vcfg.run_dir / f"eval-{i:04d}") for i in eval_points(eval_every, iterations)}
-    anchor = saved_eval(anchor_eval_dir(vcfg.run_dir, iterations)) if vcfg.ema.tau < 1 else None
-    if None in rows.values() or (vcfg.ema.tau < 1 and anchor is None):
+    moving = not METHODS[name].fixed_reference
+    anchor = saved_eval(anchor_eval_dir(vcfg.run_dir, iterations)) if moving else None
+    if None in rows.values() or (moving and anchor is None):
         return None
     return [(0, start), *rows.items()], anchor
 
 
-def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, test, backend, start: dict,
+def run_variant(session: Session, name: str, sft_weights, train, test, start: dict,
                 eval_every: int) -> tuple[list[tuple[int, dict]], dict | None]:
     """One method from the SFT weights (or its latest checkpoint), evaluated at `eval_points`; then its EMA anchor
     (None for a fixed reference: that is the SFT model, evaluated once for all methods)."""
     from transformers import set_seed
 
     from trainer.checkpoint import latest_checkpoint
-    from trainer.engine import LocalEngine
     from trainer.loop import Trainer
 
-    vcfg = variant_config(cfg, name)
-    if (saved := saved_variant(vcfg, start, eval_every)) is not None:
+    vcfg = variant_config(session.cfg, name)
+    if (saved := saved_variant(name, vcfg, start, eval_every)) is not None:
         console.print(f"{name}: every evaluation is saved in {vcfg.run_dir}: reusing them")
         return saved
     set_seed(vcfg.seed)
+    policy = session.policy
     policy.load_state_dict(sft_weights)
-    engine = LocalEngine(vcfg, policy, tokenizer, backend, client)  # anchor starts at SFT
-    trainer = Trainer(vcfg, engine, tokenizer, train)
+    engine = session.local_engine(vcfg)  # anchor starts at SFT
+    trainer = Trainer(vcfg, engine, session.tokenizer, train)
     if (checkpoint := latest_checkpoint(vcfg.run_dir)) is not None:
         trainer.restore(checkpoint)
         console.print(f"{name}: resuming from {checkpoint}")
@@ -189,15 +131,14 @@ def run_variant(cfg, name: str, policy, sft_weights, tokenizer, client, train, t
         elif iteration < trainer.iteration and not (folder / "report.json").exists():
             raise FileNotFoundError(f"{folder / 'report.json'} is missing and iteration {iteration}'s policy is "
                                     f"gone (resuming at {trainer.iteration}): delete {vcfg.run_dir} to redo {name}")
-        points.append((iteration, held_out_eval(vcfg, nullcontext(policy), tokenizer, client, test,
-                                                f"{name} @ {iteration}", folder, backend)))
+        points.append((iteration, held_out_eval(session, nullcontext(policy), test, f"{name} @ {iteration}", folder)))
         console.print(f"{name} iteration {iteration}: held-out EM {points[-1][1]['em']:.3f}")
-    if vcfg.ema.tau == 1.0:
+    if METHODS[name].fixed_reference:
         return points, None
     # The last checkpoint is the last iteration's, so an interrupted anchor evaluation resumes with its anchor.
     final = trainer.iteration
-    anchor = held_out_eval(vcfg, engine.anchor_as_policy(), tokenizer, client, test, f"{anchor_name(name)} @ {final}",
-                           anchor_eval_dir(vcfg.run_dir, final), backend)
+    anchor = held_out_eval(session, engine.anchor_as_policy(), test, f"{anchor_name(name)} @ {final}",
+                           anchor_eval_dir(vcfg.run_dir, final))
     console.print(f"{anchor_name(name)} iteration {final}: held-out EM {anchor['em']:.3f}")
     return points, anchor
 
@@ -213,7 +154,7 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
     (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation (the
     anchors' included)."""
     training = sum(value for metrics in curves.values() for m in metrics
-                   for key, value in m.items() if key.startswith("time_"))
+                   for key, value in m.items() if key.startswith("time/"))
     # Every variant's points start with the same SFT evaluation: count it once.
     start = next(iter(held_out.values()))[0][1]["seconds"]
     evaluations = start + sum(p["seconds"] for points in held_out.values() for _, p in points[1:])
@@ -224,12 +165,12 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
 def adamw_steps(metrics: list[dict]) -> int:
     """Optimizer steps a method took (its logged iterations, a resumed run's replays counted once; steps the guard
     skipped are not steps)."""
-    return sum(m["optimizer_steps"] for m in last_per_iteration(metrics))
+    return sum(m["loss/optimizer_steps"] for m in last_per_iteration(metrics))
 
 
 def comparison_pairs(methods: list[str], anchors: list[str]) -> list[tuple[str, str]]:
     """(a, b) pairs reported as a - b: every method and anchor against SFT, every later method against every
-    earlier one (VARIANTS' order: EMA-PG - GRPO), and each anchor against its own policy."""
+    earlier one (trainer.methods.METHODS' order: EMA-PG - GRPO), and each anchor against its own policy."""
     pairs = [(name, SFT) for name in (*methods, *(anchor_name(m) for m in anchors))]
     pairs += [(later, earlier) for earlier, later in combinations(methods, 2)]
     return pairs + [(anchor_name(m), m) for m in anchors]
@@ -264,11 +205,10 @@ def final_table(finals: dict[str, tuple[int, dict]], steps: dict[str, int], fixe
 
 
 def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> Path:
-    from agent.policy import load_policy, load_tokenizer
+    from agent.policy import load_policy
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
-    from trainer.engine import rollout_backend
 
-    if cfg.lora.rank and any(variant_config(cfg, name).ema.tau < 1 for name in methods):
+    if cfg.lora.rank and not all(METHODS[name].fixed_reference for name in methods):
         raise ValueError("compare evaluates each EMA anchor with the policy's weights swapped for the anchor's; a "
                          "LoRA anchor (W0 + a dense delta) has no such weights: run compare with lora.rank=0")
     out = cfg.run_dir
@@ -276,31 +216,26 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
     begin = time.perf_counter()
     held_out: dict[str, list[tuple[int, dict]]] = {}
     anchors: dict[str, dict] = {}
-    with connect_retriever(cfg, log=out / "server.log") as (client, tag):
+    with open_session(cfg, log=out / "server.log") as session:
+        client, tag = session.client, session.index_tag
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
-        tokenizer = load_tokenizer(cfg.model)
         if init is None and latest_checkpoint(cfg.sft_dir) is not None:
             init = cfg.sft_dir  # an earlier run's SFT
             console.print(f"reusing the SFT checkpoint in {init}")
         if init is None:  # no SFT checkpoint given: make one, shared by every method
             console.rule("SFT warm start")
-            init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer,
-                           build_sft_data(cfg, client, tokenizer, train))
+            init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), session.tokenizer,
+                           build_sft_data(cfg, client, session.tokenizer, train))
         sft_weights = load_policy_weights(init)
         check_start(out, init)
-        policy = load_policy(cfg.model, dtype=cfg.dtype)
-        policy.load_state_dict(sft_weights)
-        backend = rollout_backend(cfg, tokenizer, policy)  # one engine for every method's rollouts and evaluations
-        try:
-            start = held_out_eval(cfg, nullcontext(policy), tokenizer, client, test, SFT, out / "eval-sft", backend)
-            for name in methods:
-                console.rule(name)
-                held_out[name], anchor = run_variant(cfg, name, policy, sft_weights, tokenizer, client, train, test,
-                                                     backend, start, eval_every)
-                if anchor is not None:
-                    anchors[name] = anchor
-        finally:
-            backend.close()
+        session.policy.load_state_dict(sft_weights)
+        # One engine for every method's rollouts and evaluations (the session's).
+        start = held_out_eval(session, nullcontext(session.policy), test, SFT, out / "eval-sft")
+        for name in methods:
+            console.rule(name)
+            held_out[name], anchor = run_variant(session, name, sft_weights, train, test, start, eval_every)
+            if anchor is not None:
+                anchors[name] = anchor
     return write_report(cfg, init, held_out, anchors, sum(len(v) for v in test.values()),
                         (time.perf_counter() - begin) / 60)
 
@@ -316,7 +251,7 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     out = cfg.run_dir
     methods = list(held_out)
     runs = {name: variant_config(cfg, name) for name in methods}
-    curves = {name: last_per_iteration(read_jsonl(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
+    curves = {name: last_per_iteration(read_metrics(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
     steps = {name: adamw_steps(metrics) for name, metrics in curves.items()}
     # The final evaluations, paired on the same questions: model -> (iteration, pooled row, its folder).
     finals = {SFT: (0, held_out[methods[0]][0][1], out / "eval-sft")}
@@ -335,7 +270,7 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     for name, points in held_out.items():
         last = curves[name][-5:]
         for iteration, p in points:
-            tail = f"{sum(m['reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
+            tail = f"{sum(m['rollout/reward'] for m in last) / max(1, len(last)):.3f}" if iteration == points[-1][0] else ""
             lines.append(f"| {name} | {iteration} | {p['em']:.3f} | {p['em_low']:.3f}-{p['em_high']:.3f} | "
                          f"{p['well_formed']:.2f} | {tail} |")
     fixed = [name for name in methods if name not in anchors]  # GRPO: its reference is the SFT model
@@ -354,7 +289,7 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
         "init": str(init), "methods": methods, "held_out": held_out, "anchors": anchors, "adamw_steps": steps,
         "final": {model: {"iteration": it, **p} for model, (it, p, _) in finals.items()}, "paired": paired_rows,
         "guard_events": {name: read_events(vcfg.run_dir) for name, vcfg in runs.items()}}, indent=2))
-    plot(curves, held_out, out / "compare.png")
+    plot_methods(curves, held_out, out / "compare.png")
     attach_run_reports(cfg, [out / name for name in ("compare.md", "compare.json", "compare.png")]
                        + sorted(out.glob("**/eval-*/report.*")) + sorted(out.glob("**/eval-*/em.png")))
     print("\n".join(lines))

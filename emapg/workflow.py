@@ -1,8 +1,8 @@
 """The steps the CLI commands, the demo and the comparison share: question sets (answerable subsets, cached),
-demonstrations + SFT, the training progress line, agent-mode evaluation of an in-memory policy.
+demonstrations + SFT, the training progress line.
 
-Each step takes the run's TrainConfig and an open retriever client, so `emapg sft`, `emapg train`, `emapg demo`
-and `emapg compare` build their data and train exactly the same way.
+Each step takes the run's TrainConfig and an open retriever client (a Session's, emapg/session.py), so `emapg sft`,
+`emapg train`, `emapg demo` and `emapg compare` build their data and train exactly the same way.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -20,52 +18,6 @@ from data.qa import QAExample
 
 console = Console()
 ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
-
-
-def index_tag(health: dict) -> str:
-    """A name for the served index, recorded with every answerable subset made from it."""
-    encoder = (health.get("encoder") or "bm25").split("/")[-1]
-    dtype = health.get("passage_dtype")
-    precision = f"-{dtype}" if dtype not in (None, "float32") else ""  # fp32 tags predate this field
-    return f"{health['kind']}-{encoder}-{health.get('index_factory') or 'bm25'}{precision}-{health['num_docs']}"
-
-
-def served_index_tag(urls: list[str]) -> str:
-    """The index tag of the retriever replicas at `urls`, from their /health. The replicas that answer must serve
-    the same index (another index would give other passages for the same query); one that is down is skipped,
-    as the client fails over from it."""
-    import httpx
-
-    from retriever.client import RetrieverUnavailable
-
-    tags: dict[str, str] = {}
-    down: list[str] = []
-    for url in urls:
-        try:
-            tags[url] = index_tag(httpx.get(url + "/health", timeout=10).raise_for_status().json())
-        except httpx.HTTPError as e:
-            down.append(f"{url}: {type(e).__name__}: {e}")
-    if not tags:
-        raise RetrieverUnavailable(f"no retriever answers /health: {'; '.join(down)}")
-    if len(set(tags.values())) > 1:
-        served = ", ".join(f"{url} has {tag}" for url, tag in tags.items())
-        raise ValueError(f"retriever replicas serve different indexes: {served}")
-    return next(iter(tags.values()))
-
-
-@contextmanager
-def connect_retriever(cfg, log: Path | None = None) -> Iterator[tuple]:
-    """(client, index tag) for a run: the server (or replicas) at cfg.retriever.url, else one started on
-    cfg.retriever.index for the duration (its output to `log`); (None, "none") when rollout.mode is direct."""
-    from retriever.client import RetrieverClient
-    from retriever.process import running_server
-
-    if cfg.rollout.mode == "direct":
-        yield None, "none"
-        return
-    server = nullcontext(cfg.retriever.url) if cfg.retriever.url else running_server(cfg.retriever.index, log=log)
-    with server as urls, RetrieverClient(urls, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s) as client:
-        yield client, served_index_tag(client.urls)
 
 
 def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:
@@ -148,7 +100,7 @@ def run_sft(cfg, policy, tokenizer, demos) -> Path:
         task = bar.add_task("SFT", total=trainer.steps)
 
         def show(step: int, m: dict) -> None:
-            bar.update(task, completed=step, description=f"SFT loss {m['sft_loss']:.3f}")
+            bar.update(task, completed=step, description=f"SFT loss {m['loss/sft']:.3f}")
 
         path = trainer.run(progress=show)
     console.print(f"SFT: {trainer.steps} steps on {len(demos)} demonstrations -> {path}")
@@ -157,26 +109,12 @@ def run_sft(cfg, policy, tokenizer, demos) -> Path:
 
 def print_iteration(iteration: int, m: dict) -> None:
     # The learning stats are missing when the guard skipped every optimizer step of the iteration.
-    learned = {key: m.get(key, float("nan")) for key in ("clip_fraction", "entropy", "grad_norm")}
-    skipped = f"  skipped steps {m['guard_skipped_steps']:.0f}" if m.get("guard_skipped_steps") else ""
+    learned = {key: m.get(f"loss/{key}", float("nan")) for key in ("clip_fraction", "entropy", "grad_norm")}
+    skipped = f"  skipped steps {m['guard/skipped_steps']:.0f}" if m.get("guard/skipped_steps") else ""
     console.print(
-        f"iter {iteration:>4}  reward {m['reward']:.3f}  em {m['em']:.3f}  format {m['format']:.2f}  "
-        f"kl {m.get('kl', 0):.4f}  clip {learned['clip_fraction']:.3f}  entropy {learned['entropy']:.2f}  "
-        f"grad {learned['grad_norm']:.2f}  len {m['response_tokens']:.0f}  searches {m['searches']:.2f}  "
-        f"rollout {m['time_rollout_s']:.0f}s update {m['time_update_s']:.0f}s{skipped}"
+        f"iter {iteration:>4}  reward {m['rollout/reward']:.3f}  em {m['rollout/em']:.3f}  "
+        f"format {m['rollout/format']:.2f}  kl {m.get('kl/anchor', 0):.4f}  clip {learned['clip_fraction']:.3f}  "
+        f"entropy {learned['entropy']:.2f}  grad {learned['grad_norm']:.2f}  "
+        f"len {m['rollout/response_tokens']:.0f}  searches {m['rollout/searches']:.2f}  "
+        f"rollout {m['time/rollout_s']:.0f}s update {m['time/update_s']:.0f}s{skipped}"
     )
-
-
-def run_eval(cfg, policy, tokenizer, client, datasets: dict[str, list[QAExample]], name: str, out_dir: Path,
-             subset: str, backend):
-    """Agent-mode greedy evaluation of an in-memory policy with the run's rollout settings, on the process's rollout
-    engine (`backend`; the policy's weights are copied into it first: vLLM samples from its own copy)."""
-    from eval.harness import evaluate
-    from trainer.engine import rollout_config
-
-    backend.load_weights(policy.named_parameters())
-    r = cfg.rollout
-    # evaluate() sets the mode ("agent") itself; the rest is the run's rollout shape.
-    return evaluate(backend, tokenizer, client, datasets, ["agent"], rollout_config(cfg), model_name=name,
-                    subset=subset, out_dir=out_dir, batch_size=r.batch_size,
-                    retriever_timeout_s=cfg.retriever.timeout_s)

@@ -149,3 +149,14 @@ def memorise_search_trajectory(model, tokenizer, url: str, question: str, search
         if loss.item() < 1e-3:
             break
     return model.eval()
+
+
+def local_engine(cfg, policy, tokenizer, backend=None, retriever=None):
+    """A LocalEngine as a Session makes one: the backend (the configured one unless given) and the agent from
+    agent.factory."""
+    from agent.factory import make_agent, open_backend
+    from trainer.engine import LocalEngine
+
+    backend = backend or open_backend(cfg.rollout, cfg.model, tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
+    agent = make_agent(backend, tokenizer, retriever, cfg.rollout, retriever_timeout_s=cfg.retriever.timeout_s)
+    return LocalEngine(cfg, policy, backend, agent)

@@ -12,15 +12,12 @@ from torch import nn
 
 from emapg.compare import (
     SFT,
-    VARIANTS,
     adamw_steps,
     check_start,
-    chosen_methods,
     comparison_pairs,
     eval_points,
     final_table,
     paired_section,
-    plot,
     run_compare,
     saved_variant,
     variant_config,
@@ -29,15 +26,17 @@ from emapg.compare import (
 )
 from agent.trajectory import Trajectory, save_jsonl
 from eval.paired import paired_em
+from eval.report import plot_methods
 from trainer.config import load_config
 from trainer.ema import anchor_weights_in, ema_anchor
 from trainer.engine import LocalEngine
+from trainer.methods import METHODS, chosen_methods
 
 
 def test_the_three_methods_differ_only_in_anchor_and_estimator(tmp_path):
     cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}"])
-    assert list(VARIANTS) == ["GRPO", "EMA-k3", "EMA-PG"]
-    grpo, ema_k3, emapg = (variant_config(cfg, name).model_dump() for name in VARIANTS)
+    assert list(METHODS) == ["GRPO", "EMA-k3", "EMA-PG"]
+    grpo, ema_k3, emapg = (variant_config(cfg, name).model_dump() for name in METHODS)
     assert (grpo["ema"]["tau"], grpo["kl"]["estimator"]) == (1.0, "k3")
     assert (ema_k3["ema"]["tau"], ema_k3["kl"]["estimator"]) == (cfg.ema.tau, "k3") and cfg.ema.tau < 1
     assert (emapg["ema"]["tau"], emapg["kl"]["estimator"]) == (cfg.ema.tau, "topk")
@@ -48,14 +47,18 @@ def test_the_three_methods_differ_only_in_anchor_and_estimator(tmp_path):
         rest = [{k: v for k, v in method[section].items() if k != varied} for method in (grpo, ema_k3, emapg)]
         assert rest[0] == rest[1] == rest[2], section
     # Each method in a folder of its own; GRPO's and EMA-PG's are the ones earlier runs used (they resume there).
-    folders = [variant_config(cfg, name).run_dir for name in VARIANTS]
+    folders = [variant_config(cfg, name).run_dir for name in METHODS]
     assert [f.name for f in folders] == ["grpo", "ema-k3", "ema-pg"] and {f.parent for f in folders} == {cfg.run_dir}
 
 
 def test_methods_are_chosen_by_name_in_the_reports_order():
-    assert chosen_methods("GRPO,EMA-k3,EMA-PG") == list(VARIANTS)
-    assert chosen_methods("ema-pg, grpo") == ["GRPO", "EMA-PG"]
-    assert chosen_methods("EMA-PG,EMA-PG") == ["EMA-PG"]
+    def names(spec):
+        return [method.name for method in chosen_methods(spec)]
+
+    assert names("GRPO,EMA-k3,EMA-PG") == list(METHODS)
+    assert names("ema-pg, grpo") == ["GRPO", "EMA-PG"]
+    assert names("EMA-PG,EMA-PG") == ["EMA-PG"]
+    assert [m.name for m in METHODS.values() if m.fixed_reference] == ["GRPO"]  # the one whose anchor is SFT
     for bad in ("PPO", "GRPO,emapg", ""):
         with pytest.raises(ValueError, match="choose from GRPO, EMA-k3, EMA-PG"):
             chosen_methods(bad)
@@ -70,13 +73,14 @@ def test_evaluation_points_are_every_nth_iteration_and_the_last():
 
 
 def test_adamw_steps_count_a_resumed_runs_replayed_iterations_once():
-    logged = [{"iteration": 1, "optimizer_steps": 2}, {"iteration": 2, "optimizer_steps": 2},
-              {"iteration": 2, "optimizer_steps": 1}, {"iteration": 3, "optimizer_steps": 2}]  # 2 replayed, 1 skip
+    logged = [{"iteration": 1, "loss/optimizer_steps": 2}, {"iteration": 2, "loss/optimizer_steps": 2},
+              {"iteration": 2, "loss/optimizer_steps": 1},  # iteration 2 replayed, with 1 step skipped
+              {"iteration": 3, "loss/optimizer_steps": 2}]
     assert adamw_steps(logged) == 5
 
 
 def test_pairs_are_each_model_against_sft_later_methods_against_earlier_and_anchors_against_their_policy():
-    assert comparison_pairs(list(VARIANTS), ["EMA-k3", "EMA-PG"]) == [
+    assert comparison_pairs(list(METHODS), ["EMA-k3", "EMA-PG"]) == [
         ("GRPO", SFT), ("EMA-k3", SFT), ("EMA-PG", SFT), ("EMA-k3 anchor", SFT), ("EMA-PG anchor", SFT),
         ("EMA-k3", "GRPO"), ("EMA-PG", "GRPO"), ("EMA-PG", "EMA-k3"),
         ("EMA-k3 anchor", "EMA-k3"), ("EMA-PG anchor", "EMA-PG")]
@@ -116,9 +120,9 @@ def test_final_table_gives_each_model_its_steps_and_says_grpos_anchor_is_sft():
 
 
 def test_plot_takes_three_methods(tmp_path):
-    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in VARIANTS}
+    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in METHODS}
     point = {"em": 0.2, "em_low": 0.1, "em_high": 0.3}
-    plot(curves, {name: [(0, point), (2, point)] for name in VARIANTS}, tmp_path / "compare.png")
+    plot_methods(curves, {name: [(0, point), (2, point)] for name in METHODS}, tmp_path / "compare.png")
     assert (tmp_path / "compare.png").stat().st_size > 0
 
 
@@ -152,7 +156,7 @@ def engine_with_a_moved_policy(tmp_path) -> tuple[LocalEngine, FakeWeightRecordi
     the engine sees nothing stale: the case where an evaluation could leak into the next rollout)."""
     cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "rollout.mode=direct"])
     backend = FakeWeightRecordingBackend()
-    engine = LocalEngine(cfg, tiny_policy(), None, backend)
+    engine = LocalEngine(cfg, tiny_policy(), backend, agent=None)  # no rollout here
     policy = engine.learning.policy
     with torch.no_grad():
         for p in policy.parameters():
@@ -171,7 +175,7 @@ def test_evaluating_the_anchor_through_the_policy_cannot_leak_into_training(tmp_
     assert not same(before, anchor.state_dict())
     with engine.anchor_as_policy() as evaluated:
         assert evaluated is policy and same(params(policy), anchor.state_dict())
-        backend.load_weights(evaluated.named_parameters())  # what run_eval does before evaluating
+        backend.load_weights(evaluated.named_parameters())  # what Session.evaluate does before evaluating
     assert same(params(policy), before)  # bit for bit
     assert same(backend.weights, anchor.state_dict())  # the engine still holds the anchor...
     engine.sync_weights()  # ...until the next iteration's sync, which Trainer.step runs before every rollout
@@ -234,7 +238,7 @@ def test_the_evidence_config_is_make_compares_at_five_times_the_steps_with_a_big
 
 
 def test_work_minutes_count_the_anchors_evaluations():
-    curves = {"EMA-PG": [{"iteration": 1, "time_rollout_s": 60.0}]}
+    curves = {"EMA-PG": [{"iteration": 1, "time/rollout_s": 60.0}]}
     held_out = {"EMA-PG": [(0, {"seconds": 120.0}), (1, {"seconds": 60.0})]}
     assert work_minutes(curves, held_out, {"EMA-PG": {"seconds": 90.0}}) == (60 + 120 + 60 + 90) / 60
 
@@ -255,7 +259,8 @@ def test_the_report_pairs_the_final_evaluations_read_from_the_run_folders(tmp_pa
     held_out, anchors = {}, {}
     for name, right in finals.items():
         run_dir = variant_config(cfg, name).run_dir
-        # Iteration 2 logged twice (a resumed run replayed it): its last line counts.
+        # Iteration 2 logged twice (a resumed run replayed it): its last line counts. Flat names, as runs from before
+        # the namespaces logged them: the report reads them under the new ones.
         logged = [{"iteration": 1, "reward": 0.1, "optimizer_steps": 2, "time_rollout_s": 60.0},
                   {"iteration": 2, "reward": 0.2, "optimizer_steps": 1, "time_rollout_s": 60.0},
                   {"iteration": 2, "reward": 0.3, "optimizer_steps": 2, "time_rollout_s": 60.0}]
@@ -299,8 +304,7 @@ def test_a_compare_run_folder_refuses_an_sft_start_that_differs_from_its_first(t
 
 
 def saved_report(folder, em: float) -> dict:
-    from emapg.demo import pooled
-    from eval.harness import DatasetResult, EvalReport, wilson_interval
+    from eval.report import DatasetResult, EvalReport, pooled, wilson_interval
 
     report = EvalReport(model="m", subset="answerable", results=[DatasetResult(
         dataset="nq", mode="agent", n=10, em=em, em_ci95=wilson_interval(em * 10, 10), cover_em=em, f1=em,
@@ -314,13 +318,13 @@ def test_a_method_with_every_evaluation_saved_is_read_back_and_one_missing_any_i
     cfg = load_config("configs/cpu_evidence.yaml", [f"out_dir={tmp_path}"])
     start = {"em": 0.2}
     grpo, emapg = variant_config(cfg, "GRPO"), variant_config(cfg, "EMA-PG")
-    assert saved_variant(grpo, start, 50) is None
+    assert saved_variant("GRPO", grpo, start, 50) is None
     at_50, at_100 = saved_report(grpo.run_dir / "eval-0050", 0.3), saved_report(grpo.run_dir / "eval-0100", 0.4)
-    assert saved_variant(grpo, start, 50) == ([(0, start), (50, at_50), (100, at_100)], None)
-    assert saved_variant(grpo, start, 30) is None  # 30, 60 and 90 were never evaluated
+    assert saved_variant("GRPO", grpo, start, 50) == ([(0, start), (50, at_50), (100, at_100)], None)
+    assert saved_variant("GRPO", grpo, start, 30) is None  # 30, 60 and 90 were never evaluated
     saved_report(emapg.run_dir / "eval-0050", 0.3)
     policy = saved_report(emapg.run_dir / "eval-0100", 0.5)
-    assert saved_variant(emapg, start, 50) is None  # its anchor's evaluation is missing
+    assert saved_variant("EMA-PG", emapg, start, 50) is None  # its anchor's evaluation is missing
     anchor = saved_report(emapg.run_dir / "eval-anchor-0100", 0.6)
-    points, saved_anchor = saved_variant(emapg, start, 50)
+    points, saved_anchor = saved_variant("EMA-PG", emapg, start, 50)
     assert points[-1] == (100, policy) and saved_anchor == anchor

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from emapg.compare import last_per_iteration, work_minutes
-from emapg.demo import pooled, report_markdown
-from eval.harness import DatasetResult, EvalReport, wilson_interval
+from eval.report import DatasetResult, EvalReport, pooled, stages_markdown, wilson_interval
 
 
 def result(dataset: str, n: int, em: float) -> DatasetResult:
@@ -18,7 +17,7 @@ def test_pooled_row_weights_datasets_by_their_questions():
     row = pooled(report)
     assert row["n"] == 40 and abs(row["em"] - 8 / 40) < 1e-12
     assert (row["em_low"], row["em_high"]) == wilson_interval(8, 40)
-    table = report_markdown({"SFT": report}, {"total": 60.0}, "s")
+    table = stages_markdown({"SFT": report}, {"total": 60.0}, "s")
     assert "| SFT | 40 | 0.200 |" in table and "| SFT | nq | 10 | 0.500 |" in table
 
 
@@ -38,8 +37,9 @@ def test_a_resumed_runs_repeated_iterations_keep_their_last_line():
 
 
 def test_work_minutes_sum_every_timed_phase_and_count_the_shared_start_once():
-    curves = {"GRPO": [{"iteration": 1, "reward": 0.5, "time_rollout_s": 60.0, "time_update_s": 30.0}],
-              "EMA-PG": [{"iteration": 1, "time_rollout_s": 90.0, "time_ema_s": 0.0}]}
+    curves = {"GRPO": [{"iteration": 1, "rollout/reward": 0.5, "time/rollout_s": 60.0, "time/update_s": 30.0,
+                        "rollout/retrieval_wait_s": 50.0}],  # part of time/rollout_s: not counted again
+              "EMA-PG": [{"iteration": 1, "time/rollout_s": 90.0, "time/ema_s": 0.0}]}
     sft = {"em": 0.2, "seconds": 120.0}
     held_out = {"GRPO": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})],
                 "EMA-PG": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})]}

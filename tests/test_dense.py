@@ -77,7 +77,8 @@ def test_gpu_flag_without_faiss_gpu_is_a_clear_error():
 def test_auto_dtype_is_bf16_only_where_native_and_bad_names_are_refused(monkeypatch):
     import pytest
 
-    from emapg.workflow import index_tag
+    from emapg.session import index_tag
+    from retriever.api import Health
     from retriever import encoder
 
     monkeypatch.setattr(encoder, "native_bf16", lambda device="cpu": True)
@@ -87,6 +88,11 @@ def test_auto_dtype_is_bf16_only_where_native_and_bad_names_are_refused(monkeypa
     with pytest.raises(ValueError, match="float16"):
         encoder.resolve_dtype("float16")
     # Answerable subsets are cached per index tag: a bf16-encoded index must not share an fp32 index's cache.
-    health = {"kind": "dense", "encoder": "x/MiniLM", "index_factory": "Flat", "num_docs": 5}
-    assert index_tag({**health, "passage_dtype": "float32"}) == index_tag(health) == "dense-MiniLM-Flat-5"
-    assert index_tag({**health, "passage_dtype": "bfloat16"}) == "dense-MiniLM-Flat-bfloat16-5"
+    health = {"kind": "dense", "encoder": "x/MiniLM", "index_factory": "Flat", "num_docs": 5, "corpus_sha256": "0",
+              "batching": True, "cache_entries": 0, "limits": {}}
+
+    def tag(passage_dtype):
+        return index_tag(Health.model_validate({**health, "passage_dtype": passage_dtype}))
+
+    assert tag("float32") == tag(None) == "dense-MiniLM-Flat-5"
+    assert tag("bfloat16") == "dense-MiniLM-Flat-bfloat16-5"

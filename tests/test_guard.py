@@ -35,7 +35,6 @@ from trainer.guard import (
     read_events,
     reward_collapse_rule,
     scale_learning_rate,
-    zero_variance_share,
 )
 from trainer.reward import Score
 
@@ -44,19 +43,13 @@ NAN = float("nan")
 
 # ---- pure rules on hand-made sequences -------------------------------------------------------------------------------
 
-def test_zero_variance_share_counts_groups_whose_rewards_are_all_equal():
-    rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
-    groups = ["a", "a", "b", "b", "c", "c", "d"]  # a: all 1, b: mixed, c: all 0, d: a singleton
-    assert zero_variance_share(rewards, groups) == pytest.approx(3 / 4)
-    assert zero_variance_share([0.0, 1.0], ["a", "a"]) == 0.0
-
-
 def observe_rewards(rewards: list[float], **rules) -> list[tuple[int, dict[str, str], dict]]:
     """Feed a reward sequence (other metrics healthy) to a Guard; (iteration, fired rules, metrics) per iteration."""
     guard = Guard(GuardSection(**rules), Path("unused"))  # no skipped steps: no event is written
     out = []
     for iteration, reward in enumerate(rewards, start=1):
-        metrics = {"reward": reward, "entropy": 0.25, "kl": 0.001, "clip_fraction": 0.01, "anchor_distance": 0.1}
+        metrics = {"rollout/reward": reward, "loss/entropy": 0.25, "kl/anchor": 0.001, "loss/clip_fraction": 0.01,
+                   "kl/anchor_distance": 0.1}
         out.append((iteration, guard.observe(iteration, metrics), metrics))
     return out
 
@@ -64,11 +57,11 @@ def observe_rewards(rewards: list[float], **rules) -> list[tuple[int, dict[str, 
 def test_reward_collapse_fires_after_warm_up_when_the_smoothed_reward_falls_below_a_fraction_of_its_peak():
     rewards = [0.1, 0.3, 0.5, 0.5, 0.5, 0.2, 0.0, 0.0, 0.0]
     seen = observe_rewards(rewards, warmup_iterations=3, reward_window=3, reward_drop=0.2)
-    smoothed = [m["reward_smoothed"] for _, _, m in seen]
+    smoothed = [m["guard/reward_smoothed"] for _, _, m in seen]
     # Trailing means of 3 (fewer at the start), by hand; the peak is the running max of those.
     expected = [0.1, 0.2, 0.3, 13 / 30, 0.5, 0.4, 0.7 / 3, 0.2 / 3, 0.0]
     assert smoothed == pytest.approx(expected)
-    assert [m["reward_peak"] for _, _, m in seen] == pytest.approx([0.1, 0.2, 0.3, 13 / 30, 0.5, 0.5, 0.5, 0.5, 0.5])
+    assert [m["guard/reward_peak"] for _, _, m in seen] == pytest.approx([0.1, 0.2, 0.3, 13 / 30, 0.5, 0.5, 0.5, 0.5, 0.5])
     fired = [iteration for iteration, rules, _ in seen if rules]
     assert fired == [8, 9]  # 0.2/3 < 0.2 x 0.5; iteration 7's 0.233 is not
     assert "reward_collapse" in seen[7][1]
@@ -91,7 +84,7 @@ def test_default_rules_never_fire_on_a_healthy_noisy_cpu_compare_run():
 def observe_entropies(entropies: list[float], **rules) -> list[dict[str, str]]:
     """Feed an entropy sequence (a flat, healthy reward) to a Guard: the fired rules per iteration."""
     guard = Guard(GuardSection(**rules), Path("unused"))
-    return [guard.observe(i, {"reward": 0.3, "entropy": h, "kl": 0.01}) for i, h in enumerate(entropies, start=1)]
+    return [guard.observe(i, {"rollout/reward": 0.3, "loss/entropy": h, "kl/anchor": 0.01}) for i, h in enumerate(entropies, start=1)]
 
 
 # Per-iteration entropy of two GRPO pilots of configs/cpu_evidence.yaml (artifacts/runs/cpu-evidence-pilot-lr*/grpo/
@@ -123,20 +116,20 @@ def test_entropy_rise_rule_by_hand():
 def test_the_entropy_signals_survive_a_checkpoint_and_older_checkpoints_start_them_afresh():
     guard = Guard(GuardSection(), Path("unused"))
     for i, h in enumerate([0.3, 0.5, 0.4], start=1):
-        metrics = {"reward": 0.2, "entropy": h}
+        metrics = {"rollout/reward": 0.2, "loss/entropy": h}
         guard.observe(i, metrics)
-    assert metrics["entropy_start"] == 0.3 and metrics["entropy_smoothed"] == pytest.approx(0.4)
+    assert metrics["guard/entropy_start"] == 0.3 and metrics["guard/entropy_smoothed"] == pytest.approx(0.4)
     restored = Guard(GuardSection(), Path("unused"))
     restored.load_state_dict(copy.deepcopy(guard.state_dict()))
-    after, again = {"reward": 0.2, "entropy": 0.6}, {"reward": 0.2, "entropy": 0.6}
+    after, again = {"rollout/reward": 0.2, "loss/entropy": 0.6}, {"rollout/reward": 0.2, "loss/entropy": 0.6}
     guard.observe(4, after)
     restored.observe(4, again)
     assert after == again
     old = Guard(GuardSection(), Path("unused"))
     old.load_state_dict({"recent_rewards": [0.2], "reward_peak": 0.2, "rollbacks": 0, "lr_scale": 1.0})
-    metrics = {"reward": 0.2, "entropy": 0.6}
+    metrics = {"rollout/reward": 0.2, "loss/entropy": 0.6}
     old.observe(4, metrics)
-    assert metrics["entropy_start"] == 0.6 and metrics["entropy_smoothed"] == 0.6
+    assert metrics["guard/entropy_start"] == 0.6 and metrics["guard/entropy_smoothed"] == 0.6
 
 
 def test_bounds_and_nonfinite_rules():
@@ -145,11 +138,13 @@ def test_bounds_and_nonfinite_rules():
     assert bounds_rule("entropy", 3.0, None, None) is None
     assert bounds_rule("entropy", NAN, 0.05, 6.0) is None  # the non-finite rule's business
     assert bounds_rule("entropy", None, 0.05, 6.0) is None  # no optimizer step this iteration
-    assert nonfinite_rule({"reward": 0.2, "kl": NAN, "grad_norm": math.inf}) == "non-finite kl=nan, grad_norm=inf"
-    assert nonfinite_rule({"reward": 0.2}) is None
-    fired = collapse_rules({"reward": 0.2, "entropy": 9.0, "kl": 2.0, "zero_variance_groups": 1.0}, 1,
-                           GuardSection(kl_max=1.0, zero_variance_max=0.9))
-    assert set(fired) == {"entropy", "kl", "zero_variance_groups"}
+    assert (nonfinite_rule({"rollout/reward": 0.2, "kl/anchor": NAN, "loss/grad_norm": math.inf})
+            == "non-finite kl/anchor=nan, loss/grad_norm=inf")
+    assert nonfinite_rule({"rollout/reward": 0.2}) is None
+    fired = collapse_rules({"rollout/reward": 0.2, "loss/entropy": 9.0, "kl/anchor": 2.0,
+                            "rollout/zero_variance_groups": 1.0}, 1, GuardSection(kl_max=1.0, zero_variance_max=0.9))
+    assert fired == {"entropy": "loss/entropy 9 > 6.0", "kl": "kl/anchor 2 > 1.0",
+                     "zero_variance_groups": "rollout/zero_variance_groups 1 > 0.9"}
 
 
 def test_step_guard_skips_non_finite_steps_and_stops_after_n_in_a_row():
@@ -326,14 +321,14 @@ class FakeCollapsingReward:
 
 
 def collapse_run(tmp_path, peaked_model, tokenizer, times: int, *overrides):
-    from trainer.engine import LocalEngine, rollout_backend
+    from conftest import local_engine
     from trainer.loop import Trainer
 
     cfg = small_run(tmp_path, "train.iterations=4", "guard.rollback=true", "guard.warmup_iterations=0",
                     "guard.reward_window=1", "guard.reward_drop=0.5", "guard.lr_decay=0.25",
                     "guard.entropy_max=null", *overrides)  # a random tiny model samples at ~8 nats
     policy = copy.deepcopy(peaked_model)
-    engine = LocalEngine(cfg, policy, tokenizer, rollout_backend(cfg, tokenizer, policy))
+    engine = local_engine(cfg, policy, tokenizer)
     fake_reward = FakeCollapsingReward(collapse_at=3, times=times, per_iteration=16)
     trainer = Trainer(cfg, engine, tokenizer, tiny_examples(), reward_fn=fake_reward)
     fake_reward.trainer = trainer
@@ -357,7 +352,7 @@ def test_a_collapse_rolls_back_to_exactly_the_last_good_state_at_a_lower_learnin
             after_rollback.update(iteration=trainer.iteration, state=full_state(trainer))
 
     history = trainer.run(progress=watch)
-    assert [m["reward"] for m in history] == [0.5, 0.5, 0.0, 0.5, 0.5]  # iteration 3 ran twice
+    assert [m["rollout/reward"] for m in history] == [0.5, 0.5, 0.0, 0.5, 0.5]  # iteration 3 ran twice
     assert after_rollback["iteration"] == 2
     good, restored = snapshots[2], after_rollback["state"]
     lr = cfg.train.lr
@@ -371,7 +366,7 @@ def test_a_collapse_rolls_back_to_exactly_the_last_good_state_at_a_lower_learnin
         state["scheduler"].pop("_last_lr")
     good["guard"].update(rollbacks=1, lr_scale=0.25)  # the rollback's own ledger outlives the restore
     assert_identical(restored, good, "state")
-    assert history[3]["lr"] == pytest.approx(0.25 * lr) and history[3]["guard_rollbacks"] == 1
+    assert history[3]["loss/lr"] == pytest.approx(0.25 * lr) and history[3]["guard/rollbacks"] == 1
     events = read_events(cfg.run_dir)
     assert [(e["iteration"], e["action"], e["restored_iteration"], e["lr_scale"]) for e in events] == \
         [(3, "rollback", 2, 0.25)]

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from agent.trajectory import Trajectory, Turn
-from eval.harness import EvalReport, score, wilson_interval
+from eval.harness import score
+from eval.report import EvalReport, wilson_interval
 
 
 def traj(answer, golds, kinds, model_tokens=10, obs_tokens=5):

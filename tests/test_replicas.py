@@ -16,7 +16,8 @@ from conftest import memorise_search_trajectory
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend
-from agent.rollout import SEARCH_FAILED, RolloutConfig, SearchAgent
+from agent.rollout import SEARCH_FAILED, SearchAgent
+from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import (
     AsyncRetrieverClient,
@@ -158,18 +159,19 @@ def test_dead_replicas_raise_unavailable_naming_every_url():
 
 
 def test_a_config_url_list_reaches_the_client(replicas):
-    from emapg.workflow import connect_retriever, index_tag
+    from emapg.session import connect_retriever, index_tag
+    from retriever.api import Health
     from trainer.config import load_config
 
     cfg = load_config(None, [f"retriever.url=[{replicas[0]},{replicas[1]}]"])
     with connect_retriever(cfg) as (client, tag):
         assert client.urls == replicas
-        assert tag == index_tag(httpx.get(replicas[1] + "/health").json())
+        assert tag == index_tag(Health.model_validate(httpx.get(replicas[1] + "/health").json()))
         assert client.search(["pride and prejudice"])[0][0].contents.startswith('"Pride and Prejudice"')
 
 
 def test_replicas_of_different_indexes_are_refused(replicas, small_corpus, tmp_path):
-    from emapg.workflow import served_index_tag
+    from emapg.session import served_index_tag
     from retriever.bm25 import build_bm25_index
 
     lines = small_corpus.read_text().splitlines(keepends=True)
@@ -223,7 +225,7 @@ def two_search_model(tiny_model, tokenizer, replicas):
     """The tiny random model after memorising one real trajectory with two searches (search -> real <information>
     -> search -> real <information> -> answer), so greedy decoding searches twice through the real servers."""
     return memorise_search_trajectory(tiny_model, tokenizer, replicas[0], QUESTION.question, SEARCHES, "Jane Austen",
-                                      RolloutConfig().max_obs_tokens)
+                                      RolloutSettings().max_obs_tokens)
 
 
 class KillsReplicaBeforeTurn:
@@ -252,7 +254,7 @@ def test_rollout_survives_a_replica_killed_mid_rollout(two_search_model, tokeniz
         backend = KillsReplicaBeforeTurn(TransformersBackend(two_search_model, tokenizer), doomed, turn=2)
         # One query per request: each turn's 4 searches are 4 requests, dealt round-robin (the doomed one first).
         with RetrieverClient([doomed.url, survivor.url], max_queries_per_request=1, timeout_s=30) as client:
-            agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=2, max_tokens_per_turn=16))
+            agent = SearchAgent(backend, tokenizer, client, RolloutSettings(max_turns=2, max_tokens_per_turn=16))
             trajectories = agent.rollout([QUESTION], SamplingParams(temperature=0), samples_per_example=4)
         survivor_answered = requests_answered(survivor.url)
         with RetrieverClient(survivor.url) as client:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from agent.backend import Generation, SamplingParams
 from agent.continuous import ContinuousSearchAgent
 from agent.protocol import INVALID_ACTION, extract_answer, parse_action
-from agent.rollout import SEARCH_FAILED, RolloutConfig, SearchAgent
+from agent.rollout import SEARCH_FAILED, SearchAgent
+from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import Hit, RetrieverUnavailable
 
@@ -67,11 +68,13 @@ class FakeScriptedEngine(FakeScriptedBackend):
 
 
 class FakeSearcher:
-    def __init__(self, fail: bool = False):
+    def __init__(self, fail: bool = False, topk: int = 2):
         self.calls: list[list[str]] = []
         self.fail = fail
+        self.topk = topk  # its own top-k, as the real client has the run's
 
     def search(self, queries, topk=None):
+        topk = topk or self.topk
         self.calls.append(list(queries))
         if self.fail:
             raise RetrieverUnavailable("retriever at http://127.0.0.1:9/retrieve unavailable after 3 attempts: timeout")
@@ -115,19 +118,19 @@ def example(question: str, i: int = 0) -> QAExample:
 SCHEDULERS = ["per-turn", "continuous"]
 
 
-def make_agent(scheduler, tokenizer, scripts, searcher, config, max_concurrency=32):
+def make_agent(scheduler, tokenizer, scripts, searcher, settings):
     if scheduler == "per-turn":
         backend = FakeScriptedBackend(tokenizer, scripts)
-        return SearchAgent(backend, tokenizer, searcher, config), backend
+        return SearchAgent(backend, tokenizer, searcher, settings), backend
     engine = FakeScriptedEngine(tokenizer, scripts)
     async_searcher = searcher if isinstance(searcher, FakeAsyncSearcher) else FakeAsyncSearcher(searcher)
-    return ContinuousSearchAgent(engine, tokenizer, lambda: async_searcher, config, max_concurrency), engine
+    return ContinuousSearchAgent(engine, tokenizer, lambda: async_searcher, settings), engine
 
 
 def run(tokenizer, scripts, *, scheduler="per-turn", searcher=None, **config):
     searcher = searcher or FakeSearcher()
     agent, backend = make_agent(scheduler, tokenizer, scripts, searcher,
-                                RolloutConfig(**{"max_turns": 2, "topk": 2, **config}))
+                                RolloutSettings(**{"max_turns": 2, **config}))
     examples = [example(q, i) for i, q in enumerate(scripts)]
     return agent.rollout(examples, SamplingParams(temperature=1.0, seed=0)), backend, searcher
 
@@ -273,7 +276,7 @@ def test_a_failing_and_a_slow_search_are_recorded_while_the_others_finish(tokeni
     scripts = {f"q {name}?": [(f"<search> {name} </search>", "stop"), (f"<answer> {name} </answer>", "stop")]
                for name in ("ok", "broken", "slow", "fine")}
     searcher = FakeAsyncSearcher(FakeSearcher(), fail={"broken"}, slow={"slow"})
-    agent, _ = make_agent("continuous", tokenizer, scripts, searcher, RolloutConfig(max_turns=2, topk=2))
+    agent, _ = make_agent("continuous", tokenizer, scripts, searcher, RolloutSettings(max_turns=2))
     finished: list[str] = []
 
     def on_done(traj):
@@ -296,17 +299,16 @@ def test_a_failing_and_a_slow_search_are_recorded_while_the_others_finish(tokeni
 
 def test_the_concurrency_cap_bounds_trajectories_in_flight(tokenizer):
     scripts = {f"q {i}?": [(f"<search> {i} </search>", "stop"), (f"<answer> {i} </answer>", "stop")] for i in range(7)}
-    agent, engine = make_agent("continuous", tokenizer, scripts, FakeSearcher(), RolloutConfig(max_turns=1),
-                               max_concurrency=3)
+    agent, engine = make_agent("continuous", tokenizer, scripts, FakeSearcher(), RolloutSettings(max_turns=1, max_in_flight=3))
     trajs = agent.rollout([example(q, i) for i, q in enumerate(scripts)], SamplingParams(seed=0))
     assert engine.most_in_flight == 3 and [t.answer for t in trajs] == [str(i) for i in range(7)]
-    with pytest.raises(ValueError, match="max_concurrency"):
-        ContinuousSearchAgent(engine, tokenizer, None, RolloutConfig(mode="direct"), max_concurrency=0)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        RolloutSettings(mode="direct", max_in_flight=0)
 
 
 def test_group_ids_are_example_ids_and_samples_are_distinct(tokenizer):
     backend = FakeScriptedBackend(tokenizer, {"q?": [("<answer>a</answer>", "stop")] * 3})
-    agent = SearchAgent(backend, tokenizer, FakeSearcher(), RolloutConfig())
+    agent = SearchAgent(backend, tokenizer, FakeSearcher(), RolloutSettings())
     trajs = agent.rollout([QAExample("hotpotqa/dev/7", "hotpotqa", "dev", "q?", ("a",), "m")], SamplingParams(), 3)
     assert [t.group_id for t in trajs] == ["hotpotqa/dev/7"] * 3
     assert [t.uid for t in trajs] == ["hotpotqa/dev/7#0", "hotpotqa/dev/7#1", "hotpotqa/dev/7#2"]

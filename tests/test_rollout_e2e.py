@@ -9,7 +9,8 @@ from conftest import memorise_search_trajectory
 
 from agent.backend import SamplingParams
 from agent.hf_backend import TransformersBackend, sample_tokens
-from agent.rollout import RolloutConfig, SearchAgent
+from agent.rollout import SearchAgent
+from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import RetrieverClient, RetrieverError
 from retriever.process import free_port
@@ -33,7 +34,7 @@ def recomputed_logprobs(model, traj, temperature: float) -> torch.Tensor:
 def test_tiny_model_rollout_against_the_real_server_is_token_exact(tiny_model, tokenizer, server_url, temperature):
     backend = TransformersBackend(tiny_model, tokenizer, max_batch_size=3)  # 4 rows: two batches, left padding
     with RetrieverClient(server_url) as client:
-        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=2, max_tokens_per_turn=24))
+        agent = SearchAgent(backend, tokenizer, client, RolloutSettings(max_turns=2, max_tokens_per_turn=24))
         trajs = agent.rollout(EXAMPLES, SamplingParams(temperature=temperature, seed=3), samples_per_example=2)
     assert len(trajs) == 4
     for traj in trajs:
@@ -53,7 +54,7 @@ def test_tiny_model_rollout_against_the_real_server_is_token_exact(tiny_model, t
 def test_rag_mode_retrieves_from_the_real_server(tiny_model, tokenizer, server_url):
     backend = TransformersBackend(tiny_model, tokenizer)
     with RetrieverClient(server_url) as client:
-        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(mode="rag", max_tokens_per_turn=8))
+        agent = SearchAgent(backend, tokenizer, client, RolloutSettings(mode="rag", max_tokens_per_turn=8))
         (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
     assert "Doc 1(Title: Pride and Prejudice)" in tokenizer.decode(traj.prompt_ids)
     assert len(traj.turns) == 1
@@ -64,7 +65,7 @@ def test_rag_mode_with_a_dead_retriever_fails_naming_it(tiny_model, tokenizer):
     (test_rollout.py::test_retrieval_failure_is_shown_masked_and_recorded)."""
     backend = TransformersBackend(tiny_model, tokenizer)
     dead = RetrieverClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01, timeout_s=0.5)
-    agent = SearchAgent(backend, tokenizer, dead, RolloutConfig(mode="rag"))
+    agent = SearchAgent(backend, tokenizer, dead, RolloutSettings(mode="rag"))
     with pytest.raises(RetrieverError, match="rag mode could not retrieve passages.*unavailable"):
         agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
 
@@ -93,13 +94,13 @@ def protocol_model(tiny_model, tokenizer, server_url):
     """The tiny model after memorising one real protocol trajectory (search -> real <information> -> answer):
     greedy decoding then walks the search and answer branches for real, through the real server."""
     return memorise_search_trajectory(tiny_model, tokenizer, server_url, EXAMPLES[0].question, ["pride and prejudice"],
-                                      "Jane Austen", RolloutConfig().max_obs_tokens)
+                                      "Jane Austen", RolloutSettings().max_obs_tokens)
 
 
 def test_search_and_answer_branches_end_to_end(protocol_model, tokenizer, server_url):
     backend = TransformersBackend(protocol_model, tokenizer)
     with RetrieverClient(server_url) as client:
-        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=2, max_tokens_per_turn=16))
+        agent = SearchAgent(backend, tokenizer, client, RolloutSettings(max_turns=2, max_tokens_per_turn=16))
         (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
     assert [t.kind for t in traj.turns] == ["search", "answer"]
     assert traj.turns[0].query == "pride and prejudice" and len(traj.turns[0].doc_ids) == 3
@@ -114,11 +115,11 @@ def test_search_and_answer_branches_end_to_end(protocol_model, tokenizer, server
 def test_turn_limit_final_turn_and_retrieval_timeout_end_to_end(protocol_model, tokenizer, server_url):
     backend = TransformersBackend(protocol_model, tokenizer)
     with RetrieverClient(server_url) as client:  # one search allowed: the answer comes in the final turn
-        agent = SearchAgent(backend, tokenizer, client, RolloutConfig(max_turns=1, max_tokens_per_turn=16))
+        agent = SearchAgent(backend, tokenizer, client, RolloutSettings(max_turns=1, max_tokens_per_turn=16))
         (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
     assert [t.kind for t in traj.turns] == ["search", "answer"] and traj.answer == "Jane Austen"
     agent = SearchAgent(backend, tokenizer, RetrieverClient(f"http://127.0.0.1:{free_port()}", retries=1,
-                        backoff_s=0.01, timeout_s=0.5), RolloutConfig(max_turns=1, max_tokens_per_turn=16))
+                        backoff_s=0.01, timeout_s=0.5), RolloutSettings(max_turns=1, max_tokens_per_turn=16))
     (traj,) = agent.rollout(EXAMPLES[:1], SamplingParams(temperature=0))
     assert traj.turns[0].kind == "search" and "unavailable" in traj.turns[0].retrieval_error
     assert traj.turns[-1].kind in ("answer", "final")  # the rollout finished; nothing was lost

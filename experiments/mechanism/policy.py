@@ -7,8 +7,8 @@ from collections import defaultdict
 import torch
 
 from agent.backend import SamplingParams
-from agent.hf_backend import TransformersBackend
-from agent.rollout import RolloutConfig, SearchAgent
+from agent.factory import make_agent, open_backend
+from agent.settings import RolloutSettings
 from experiments.mechanism.kb import KBQuestion
 from experiments.mechanism.sweep import PolicySection
 from trainer.reward import reward
@@ -32,16 +32,19 @@ def tiny_policy(tokenizer, section: PolicySection):
     return LlamaForCausalLM(config).eval()
 
 
-def rollout_engine(policy, tokenizer, max_batch_size: int) -> TransformersBackend:
-    return TransformersBackend(policy, tokenizer, max_batch_size=max_batch_size)
+def eval_settings(max_turns: int, max_tokens_per_turn: int, max_obs_tokens: int,
+                  max_in_flight: int = 64) -> RolloutSettings:
+    """The study's greedy evaluation: the per-turn loop on the in-memory policy, all questions in one batch."""
+    return RolloutSettings(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn, max_obs_tokens=max_obs_tokens,
+                           max_in_flight=max_in_flight, backend="transformers")
 
 
-def greedy_eval(policy, tokenizer, retriever, questions: list[KBQuestion], rollout: RolloutConfig,
-                batch_size: int = 64) -> dict[str, float]:
-    """EM of greedy rollouts through the server: overall, per question kind, and the mean number of searches."""
-    agent = SearchAgent(rollout_engine(policy, tokenizer, batch_size), tokenizer, retriever, rollout)
-    trajectories = agent.rollout([q.example for q in questions],
-                                 SamplingParams(temperature=0.0, max_tokens=rollout.max_tokens_per_turn))
+def greedy_eval(policy, tokenizer, retriever, questions: list[KBQuestion], settings: RolloutSettings) -> dict[str, float]:
+    """EM of greedy rollouts through the server (`retriever`, with its top-k): overall, per question kind, and the
+    mean number of searches."""
+    backend = open_backend(settings, "tiny-policy (in memory)", tokenizer, policy)
+    agent = make_agent(backend, tokenizer, retriever, settings)
+    trajectories = agent.rollout([q.example for q in questions], SamplingParams(temperature=0.0))
     by_kind: dict[str, list[float]] = defaultdict(list)
     for q, traj in zip(questions, trajectories, strict=True):
         by_kind[q.kind].append(reward(traj).em)

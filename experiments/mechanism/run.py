@@ -68,9 +68,8 @@ def prepare_kb(out: Path, study: StudyConfig) -> None:
 
 def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
     """The SFT checkpoint's weights (trained once, shared by every cell) and sft_eval.json."""
-    from agent.rollout import RolloutConfig
     from experiments.mechanism.demos import build_demonstrations
-    from experiments.mechanism.policy import greedy_eval, tiny_policy
+    from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.config import load_config
     from trainer.sft import SFTTrainer
@@ -89,16 +88,15 @@ def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
         trainer = SFTTrainer(cfg, policy, demos, tokenizer.pad_token_id)
         print(f"SFT: {trainer.steps} steps on {len(demos)} demonstrations {counts}", flush=True)
         start = time.perf_counter()
-        trainer.run(progress=lambda step, m: step % 50 == 0 and print(f"  SFT step {step} loss {m['sft_loss']:.3f}",
+        trainer.run(progress=lambda step, m: step % 50 == 0 and print(f"  SFT step {step} loss {m['loss/sft']:.3f}",
                                                                        flush=True))
         print(f"SFT done in {time.perf_counter() - start:.0f} s", flush=True)
     weights = load_policy_weights(cfg.sft_dir)
     if not (out / "sft_eval.json").exists():
         policy.load_state_dict(weights)
         test = load_test(out, study)
-        rollout = RolloutConfig(max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-                                max_obs_tokens=r.max_obs_tokens, topk=r.retriever_topk)
-        (out / "sft_eval.json").write_text(json.dumps(greedy_eval(policy, tokenizer, client, test, rollout), indent=1))
+        settings = eval_settings(r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens)
+        (out / "sft_eval.json").write_text(json.dumps(greedy_eval(policy, tokenizer, client, test, settings), indent=1))
     print(f"SFT start: {json.loads((out / 'sft_eval.json').read_text())}", flush=True)
     return weights
 
