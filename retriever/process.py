@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
 
 def free_port() -> int:
@@ -21,18 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 600.0) -> dict:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 600.0):
+    """The server's `GET /health` (retriever.api.Health, read by the client as everywhere else) once it answers."""
+    from retriever.client import RetrieverClient, RetrieverUnavailable
+
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"retrieval server exited with code {proc.returncode} before it was healthy")
-        try:
-            r = httpx.get(url + "/health", timeout=2.0)
-            if r.status_code == 200:
-                return r.json()
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    with RetrieverClient(url, timeout_s=2.0, retries=0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"retrieval server exited with code {proc.returncode} before it was healthy")
+            try:
+                return client.health()
+            except RetrieverUnavailable:  # not listening yet, or still loading its index
+                time.sleep(0.2)
     raise TimeoutError(f"retrieval server at {url} not healthy after {timeout_s:.0f} s")
 
 
