@@ -70,6 +70,29 @@ def test_round_trip_restores_everything_including_rng(tmp_path):
     assert random.random() == expected_next[0] and torch.equal(torch.rand(3), expected_next[1])
 
 
+def test_a_bf16_anchor_round_trips_in_bf16_bit_for_bit(tmp_path):
+    """ema.dtype=bfloat16 (the authors'): the checkpoint keeps the anchor's bf16 tensors as they are, and a bf16
+    EmaAnchor loads them back exactly (an fp32 one refuses them)."""
+    from trainer.ema import EmaAnchor
+
+    model, opt, sched = tiny_state()
+    anchor = EmaAnchor(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    anchor.update(model, 0.9)
+    ckpt = Checkpoint(3, model.state_dict(), anchor.state_dict(), opt.state_dict(), sched.state_dict(), rng_state(),
+                      {"epoch": 0, "position": 0}, {"model": "tiny", "seed": 0})
+    loaded = load_checkpoint(save_checkpoint(ckpt, tmp_path))
+    assert all(t.dtype == torch.bfloat16 for t in loaded.anchor.values())
+    restored = EmaAnchor(tiny_state()[0], dtype=torch.bfloat16)
+    restored.load_state_dict(loaded.anchor)
+    for name, tensor in anchor.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor)
+    with pytest.raises(ValueError, match="bfloat16"):
+        EmaAnchor(tiny_state()[0]).load_state_dict(loaded.anchor)
+
+
 def test_truncated_modified_or_incomplete_checkpoints_are_refused(tmp_path):
     path = save_checkpoint(make_ckpt(), tmp_path)
     weights = path / "policy.safetensors"

@@ -93,6 +93,67 @@ def test_fp32_anchor_keeps_increments_that_a_bf16_anchor_loses():
     assert fp32_weight.item() == pytest.approx(want, rel=1e-6)
 
 
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp at each value of x (8 significant bits: 2^(e - 8) for x = m 2^e, m in [0.5, 1)), float64."""
+    _, exponent = torch.frexp(x.double())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exponent - 8)
+
+
+def bf16_policy_and_anchor(seed: int = 0) -> tuple[nn.Module, EmaAnchor]:
+    """An fp32 policy with Qwen-like weights (std 0.02) and its bf16 anchor (ema.dtype=bfloat16, the authors')."""
+    torch.manual_seed(seed)
+    policy = nn.Linear(256, 256, bias=False)
+    with torch.no_grad():
+        policy.weight.normal_(0, 0.02)
+    return policy, EmaAnchor(policy, dtype=torch.bfloat16)
+
+
+def test_bf16_anchor_update_is_the_exact_average_rounded_once_to_bf16():
+    """ema.dtype=bfloat16: each update is the float64 average of the bf16 anchor and the policy cast to bf16, rounded
+    once to bf16: within half a bf16 ulp of it, plus the fp32 arithmetic inside lerp (a couple of fp32 ulps of the
+    operands: it shows where the average cancels to ~0), and equal to its round-to-nearest almost everywhere."""
+    tau = 0.9
+    policy, anchor = bf16_policy_and_anchor()
+    for step in range(5):
+        take_step(policy, scale=1e-3)  # ~5% of a weight: increments of many ulps, not only sub-ulp ones
+        before = anchor.state_dict()["weight"].double()
+        target = policy.weight.detach().bfloat16().double()  # the anchor's dtype, as the update casts it
+        exact = before + (1 - tau) * (target - before)
+        anchor.update(policy, tau)
+        after = anchor.state_dict()["weight"]
+        assert after.dtype == torch.bfloat16
+        fp32_slack = 2**-22 * torch.maximum(before.abs(), target.abs())
+        assert ((after.double() - exact).abs() <= 0.5 * bf16_ulp(after) + fp32_slack).all(), f"update {step}"
+        assert (after == exact.bfloat16()).double().mean() > 0.999
+
+
+def test_the_authors_bf16_update_rounds_twice_and_moves_a_still_anchor():
+    """The released update is ref.mul_(tau) then .add_(actor in bf16, alpha=1 - tau) on bf16 tensors: two roundings
+    where ours (lerp) has one. Per update the two differ by at most 1.5 ulps of the largest of anchor and result (half
+    an ulp per rounding); and with the policy equal to the anchor ours stays bit for bit while theirs moves some
+    weights by an ulp (docs/fidelity.md gives the measured share)."""
+    tau = 0.9
+    policy, anchor = bf16_policy_and_anchor(seed=1)
+    take_step(policy, scale=1e-3)
+    before = anchor.state_dict()["weight"].clone()
+    theirs = before.clone().mul_(tau).add_(policy.weight.detach().bfloat16(), alpha=1 - tau)
+    anchor.update(policy, tau)
+    ours = anchor.state_dict()["weight"]
+    largest = torch.maximum(torch.maximum(before.abs(), ours.abs()), theirs.abs())
+    assert ((ours.double() - theirs.double()).abs() <= 1.5 * bf16_ulp(largest)).all()
+    assert (ours != theirs).any()  # the rounding order is visible
+
+    with torch.no_grad():  # a policy equal to the anchor: the exact average is the anchor itself
+        policy.weight.copy_(ours.float())
+    still = ours.clone()
+    anchor.update(policy, tau)
+    assert torch.equal(anchor.state_dict()["weight"], still)
+    theirs_still = still.clone().mul_(tau).add_(policy.weight.detach().bfloat16(), alpha=1 - tau)
+    moved = (theirs_still != still).double().mean().item()
+    assert 0.01 < moved < 0.1, moved  # ~4% of the weights, each by one ulp
+    assert ((theirs_still.double() - still.double()).abs() <= bf16_ulp(still)).all()
+
+
 def test_state_dict_round_trip_restores_the_anchor_exactly():
     policy = tiny_policy()
     ema_anchor = EmaAnchor(policy)
