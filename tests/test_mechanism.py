@@ -10,6 +10,7 @@ import pytest
 
 from data.corpus import read_jsonl
 from eval.metrics import normalize_answer
+from eval.seed_stats import bootstrap_interval, holm
 from experiments.mechanism.analysis import mean_ci, paired, summarise
 from experiments.mechanism.cell import curve_summary, smoothed
 from experiments.mechanism.kb import HOPS, KBSpec, generate_kb, load_questions, write_kb
@@ -136,12 +137,14 @@ def test_collapse_and_area_under_the_curve():
 
 def test_confidence_intervals_and_paired_comparison():
     mean, low, high = mean_ci([1.0, 2.0, 3.0])
-    # t(0.975, 2) = 4.3027; sd = 1; half-width = 4.3027 / sqrt(3)
-    assert mean == 2.0 and high - mean == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
+    # The exact bootstrap over all 27 resamples (eval/seed_stats.py, tested there against a slow loop).
+    assert mean == 2.0 and (low, high) == bootstrap_interval([1.0, 2.0, 3.0])
     assert math.isnan(mean_ci([1.0])[1])
     d = paired({0: 0.5, 1: 0.7, 2: 0.6, 3: 0.9}, {0: 0.4, 1: 0.5, 2: 0.6, 3: 0.5, 4: 0.1})
-    assert d["n"] == 4 and d["mean"] == pytest.approx(0.175) and d["wins"] == 3 and d["losses"] == 0
-    assert 0 < d["p"] < 1
+    assert d["n"] == 4 and d["mean"] == pytest.approx(0.175)
+    assert (d["wins"], d["losses"], d["ties"]) == (3, 0, 1)
+    # Three non-zero differences, all positive: the exact sign-flip test's floor on them, 2 / 2^3.
+    assert d["p"] == d["smallest_p"] == 0.25
 
 
 def result(method: str, seed: int, em: float, collapsed: bool = False) -> dict:
@@ -160,6 +163,9 @@ def test_summary_groups_cells_and_pairs_by_seed():
     assert cells["ema-topk"]["median_variance_ratio"][0] == pytest.approx(10.0)
     em = next(c for c in summary["comparisons"] if c["metric"] == "em")
     assert (em["a"], em["b"], em["n"], em["wins"]) == ("ema-topk", "grpo", 3, 3)  # seed 3 has no pair
+    # Holm over every comparison reported (4 metrics here): 2 / 2^3 x 4 = 1 at most.
+    assert [c["holm_p"] for c in summary["comparisons"]] == holm([c["p"] for c in summary["comparisons"]])
+    assert em["p"] == 0.25 and em["holm_p"] == 1.0
 
 
 def test_grid_is_two_slices_seed_major():

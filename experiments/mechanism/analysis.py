@@ -1,10 +1,13 @@
-"""The sweep's results -> tables with 95% confidence intervals across seeds, paired comparisons, plots, summary.md.
+"""The sweep's results -> tables with 95% intervals across seeds, paired comparisons, plots, summary.md.
 
-Per (lr, beta, method), over seeds: mean and 95% t-interval of the held-out greedy EM (final reward), the area under
-the training reward curve, the two-hop EM; the collapse rate with a Wilson interval; the KL-gradient variance of k3
-and of Top-k at the same states (geometric mean of their ratio, t-interval on the log scale).
+The unit of inference is the training seed (eval/seed_stats.py, shared with `emapg compare --seeds`).
+Per (lr, beta, method), over seeds: mean and 95% bootstrap interval of the held-out greedy EM (final reward), the
+area under the training reward curve, the two-hop EM; the collapse rate with a Wilson interval; the KL-gradient
+variance of k3 and of Top-k at the same states (geometric mean of their ratio, bootstrap interval on the log scale).
 Paired, per (lr, beta): method A - method B on the same seeds (same prompts and sampling seeds), mean difference,
-95% t-interval, paired t-test p-value, and how many seeds A won.
+bootstrap interval, the exact sign-flip p (never below 2 / 2^seeds: 0.0625 on 5), seeds won / lost / tied, and the
+p value Holm-adjusted over every comparison the summary reports (the study declared no primary comparison, so the
+family is all of them: points x method pairs x metrics, 60 in the full sweep).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from scipy import stats
 
 from eval.harness import wilson_interval
+from eval.seed_stats import format_p, holm, mean_interval, paired_seeds
 from experiments.mechanism.cell import smoothed
 
 METRICS = {  # name -> (label, how to read it off a result)
@@ -34,17 +38,14 @@ def load_results(out: Path) -> list[dict]:
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): 95% t-interval; the bounds are nan with fewer than two values."""
-    x = np.asarray(values, dtype=float)
-    mean = float(x.mean()) if len(x) else math.nan
-    if len(x) < 2:
-        return mean, math.nan, math.nan
-    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return mean, mean - half, mean + half
+    """(mean, low, high): 95% bootstrap interval across seeds; the bounds are nan with fewer than two values."""
+    if len(values) < 2:
+        return (float(values[0]) if values else math.nan), math.nan, math.nan
+    return mean_interval(values)
 
 
 def geometric_mean_ci(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of positive ratios with its 95% t-interval, computed on log10 (ratios span decades)."""
+    """Geometric mean of positive ratios with its 95% interval, computed on log10 (ratios span decades)."""
     logs = [math.log10(r) for r in ratios if r > 0 and math.isfinite(r)]
     if not logs:
         return math.nan, math.nan, math.nan
@@ -52,15 +53,13 @@ def geometric_mean_ci(ratios: list[float]) -> tuple[float, float, float]:
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict:
-    """A - B over the seeds both have: mean, 95% t-interval, paired t-test p, wins of A."""
+    """A - B over the seeds both have (an unfinished sweep pairs what it has): mean, 95% bootstrap interval, exact
+    sign-flip p and the smallest it could be on these seeds, seeds A won, lost and tied."""
     seeds = sorted(set(a) & set(b))
-    diffs = [a[s] - b[s] for s in seeds]
-    mean, low, high = mean_ci(diffs)
-    p = math.nan
-    if len(seeds) >= 2 and np.std(diffs) > 0:
-        p = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
-    return {"n": len(seeds), "mean": mean, "low": low, "high": high, "p": p,
-            "wins": sum(d > 0 for d in diffs), "losses": sum(d < 0 for d in diffs)}
+    r = paired_seeds({s: a[s] for s in seeds}, {s: b[s] for s in seeds})
+    low, high = r.ci if len(seeds) >= 2 else (math.nan, math.nan)
+    return {"n": len(seeds), "mean": r.mean, "low": low, "high": high, "p": r.p_value,
+            "smallest_p": r.smallest_possible_p, "wins": r.wins, "losses": r.losses, "ties": r.ties}
 
 
 def fmt(mean: float, low: float, high: float, digits: int = 3) -> str:
@@ -100,10 +99,14 @@ def summarise(results: list[dict], methods: list[str]) -> dict:
     for (lr, beta), per_method in sorted(by_point.items()):
         present = [m for m in methods if m in per_method]
         for a, b in combinations(reversed(present), 2):  # EMA-PG first: the claim is that it is better
+            if not set(per_method[a]) & set(per_method[b]):
+                continue  # an unfinished sweep: no seed of both yet
             for name, (_, read) in METRICS.items():
                 comparisons.append({"lr": lr, "beta": beta, "a": a, "b": b, "metric": name,
                                     **paired({s: read(r) for s, r in per_method[a].items()},
                                              {s: read(r) for s, r in per_method[b].items()})})
+    for comparison, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
+        comparison["holm_p"] = adjusted
     hours = sum(r.get("train_seconds", 0) + r.get("measure_seconds", 0) for r in results) / 3600
     return {"cells": cells, "comparisons": comparisons, "runs": len(results), "run_hours": hours}
 
@@ -120,7 +123,8 @@ def markdown(summary: dict, sft_eval: dict | None) -> str:
                   f"{sft_eval.get('em_birth_country', 0):.3f}, searches {sft_eval['searches']:.2f} (n = {sft_eval['n']:.0f}).", ""]
     lines += [f"{summary['runs']} runs, {summary['run_hours']:.2f} h of training and measuring in all (the shared SFT "
               "and the server's start not counted).", ""]
-    lines += ["Means over seeds with 95% t-intervals; collapse k/n with a Wilson interval; KL-gradient variance: the exact "
+    lines += ["Means over seeds with 95% bootstrap intervals across seeds (percentile; with 5 seeds too narrow, a "
+              "description rather than a test); collapse k/n with a Wilson interval; KL-gradient variance: the exact "
               "variance of one token's KL gradient (logit space) at 128 states of the run's last rollouts, against the run's "
               "own anchor, averaged over states and then runs; k3 / Top-k: geometric mean over runs of that ratio, and of "
               "the ratio of the median states.", "",
@@ -132,12 +136,18 @@ def markdown(summary: dict, sft_eval: dict | None) -> str:
                f"{ratio(c['median_variance_ratio'])}" if "variance_k3" in c else "- | - | - | -")
         lines.append(f"| {c['lr']:g} | {c['beta']:g} | {c['method']} | {c['n']} | {fmt(*c['em'])} | {fmt(*c['auc'])} | "
                      f"{fmt(*c['final_train'])} | {fmt(*c['em_two_hop'])} | {k}/{c['n']} [{low:.2f}, {high:.2f}] | {var} |")
-    lines += ["", "Paired by seed (A - B): mean difference [95% t-interval], paired t-test p, seeds won by A.", "",
-              "| lr | beta | A - B | metric | seeds | difference | p | A won |", "|---|---|---|---|---|---|---|---|"]
+    family = len(summary["comparisons"])
+    floor = min((d["smallest_p"] for d in summary["comparisons"]), default=math.nan)
+    lines += ["", f"Paired by seed (A - B), across the seeds both have: mean difference [95% bootstrap interval], the "
+              f"exact two-sided sign-flip p over every sign assignment of the per-seed differences (the smallest it "
+              f"can give here is {format_p(floor)}), that p Holm-adjusted over all {family} comparisons below (no "
+              "primary comparison was declared), and seeds A won / lost / tied.", "",
+              "| lr | beta | A - B | metric | seeds | difference | sign-flip p | Holm p | A won / lost / tied |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for d in summary["comparisons"]:
-        p = "-" if math.isnan(d["p"]) else f"{d['p']:.3f}"
         lines.append(f"| {d['lr']:g} | {d['beta']:g} | {d['a']} - {d['b']} | {METRICS[d['metric']][0]} | {d['n']} | "
-                     f"{fmt(d['mean'], d['low'], d['high'])} | {p} | {d['wins']}/{d['n']} |")
+                     f"{fmt(d['mean'], d['low'], d['high'])} | {format_p(d['p'])} | {format_p(d['holm_p'])} | "
+                     f"{d['wins']} / {d['losses']} / {d['ties']} |")
     return "\n".join(lines) + "\n"
 
 
