@@ -62,16 +62,22 @@ def index(
     copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the index folder (off for wiki-18)")] = True,
     device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="passage encoder dtype: float32, bfloat16 (~2x faster where native), or "
-                                       "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX)")] = "auto",
+                                       "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX, torch backend only)")] = "auto",
+    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8 (CPU), or auto "
+                                                 "(the fastest one that keeps retrieval on a CPU, torch on a GPU)")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
     if kind not in ("dense", "bm25"):
         _fail(f"--kind must be 'dense' or 'bm25', got {kind!r}")
-    from retriever.encoder import resolve_dtype
+    from retriever.encoder import resolve_backend, resolve_dtype
 
     try:
-        dtype = resolve_dtype(dtype, device)
+        encoder_backend = resolve_backend(encoder_backend, device)
+    except ValueError as e:
+        _fail(f"--encoder-backend: {e}")
+    try:
+        dtype = resolve_dtype(dtype, device, encoder_backend)
     except ValueError as e:
         _fail(f"--dtype: {e}")
     if corpus_path is None:
@@ -88,7 +94,7 @@ def index(
 
             manifest = build_dense_index(
                 corpus_path, out, encoder=encoder, factory=factory, batch_size=batch_size, train_size=train_size,
-                copy_corpus=copy_corpus, overwrite=overwrite, device=device, dtype=dtype,
+                copy_corpus=copy_corpus, overwrite=overwrite, device=device, dtype=dtype, backend=encoder_backend,
             )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
@@ -107,11 +113,14 @@ def serve(
     max_query_chars: Annotated[int, typer.Option(min=1)] = 2048,
     batching: Annotated[bool, typer.Option(help="coalesce concurrent requests into one encode+search")] = True,
     max_batch_queries: Annotated[int, typer.Option(min=1)] = 256,
-    max_wait_ms: Annotated[float, typer.Option(min=0.0, help="how long a batch waits for more requests")] = 2.0,
+    max_wait_ms: Annotated[float, typer.Option(min=0.0, help="how long a batch waits for more requests (0: none; "
+                                               "requests that arrive while one batch encodes form the next)")] = 0.0,
     cache_size: Annotated[int, typer.Option(min=0, help="LRU entries of query results; 0 turns the cache off")] = 100_000,
     search_threads: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str, typer.Option(help="query encoder device: cpu, cuda")] = "cpu",
     query_dtype: Annotated[str, typer.Option(help="query encoder dtype: float32 or bfloat16")] = "float32",
+    encoder_backend: Annotated[str, typer.Option(help="what runs the query encoder: torch, onnx, onnx-int8 (CPU), or "
+                                                 "auto (the fastest one that keeps retrieval on a CPU)")] = "auto",
     gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
     search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
     workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each loading its own copy of "
@@ -132,7 +141,8 @@ def serve(
             index=index_dir, encoder=encoder, host=host, port=port, default_topk=topk, max_topk=max_topk,
             max_queries=max_queries, max_query_chars=max_query_chars, batching=batching,
             max_batch_queries=max_batch_queries, max_wait_ms=max_wait_ms, cache_size=cache_size,
-            search_threads=search_threads, device=device, query_dtype=query_dtype, gpu_index=gpu,
+            search_threads=search_threads, device=device, query_dtype=query_dtype, encoder_backend=encoder_backend,
+            gpu_index=gpu,
             search_params=search_params, workers=workers,
         )
         run_server(settings)
@@ -509,6 +519,12 @@ def compare(
     methods: Annotated[str, typer.Option(help="comma-separated methods to run: GRPO (fixed reference, k3), EMA-k3 "
                                          "(EMA anchor, k3), EMA-PG (EMA anchor, Top-k)")] = "GRPO,EMA-k3,EMA-PG",
     index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+    seeds: Annotated[str, typer.Option(help="comma-separated training seeds (e.g. 0,1,2,3): every method once per "
+                                       "seed, and a report testing the methods across seeds (exact sign-flip, "
+                                       "bootstrap, Holm); default: one run at the config's seed")] = "",
+    comparisons: Annotated[str, typer.Option("--compare", help="with --seeds: the comparisons declared before the "
+                                             "first run, A:B pairs, e.g. EMA-PG:GRPO,EMA-k3:GRPO; default: every "
+                                             "later method against every earlier one")] = "",
 ) -> None:
     """The paper's rows from the same SFT checkpoint, same seeds and budget: GRPO (fixed reference, k3 KL), EMA-k3
     (EMA anchor, k3) and EMA-PG (EMA anchor, Top-k KL); held-out EM over training, the EMA anchors at the end, and
@@ -518,12 +534,25 @@ def compare(
 
     try:
         chosen = [method.name for method in chosen_methods(methods)]
+        seed_list = [int(seed) for seed in seeds.split(",") if seed.strip()]
+        declared = [tuple(pair.split(":")) for pair in comparisons.split(",") if pair.strip()]
     except ValueError as e:
-        _fail(str(e))
+        _fail(f"--methods/--seeds: {e}")
+    if len(set(seed_list)) != len(seed_list):
+        _fail(f"--seeds: {seeds!r} names a seed twice")
+    if declared and not seed_list:
+        _fail("--compare declares comparisons across seeds: give --seeds too")
+    for pair in declared:
+        if len(pair) != 2 or not set(pair) <= set(chosen) or pair[0] == pair[1]:
+            _fail(f"--compare: {':'.join(pair)!r} must be A:B, two different methods of {chosen}")
     cfg = _run_config(ctx, config)
     cfg.retriever.index = index_dir
     _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
-    console.print(f"report: {run_compare(cfg, init, eval_every, chosen)}")
+    try:
+        report = run_compare(cfg, init, eval_every, chosen, seed_list or None, declared or None)
+    except ValueError as e:  # e.g. a plan.json that declares another family
+        _fail(str(e))
+    console.print(f"report: {report}")
 
 
 @app.command()

@@ -101,7 +101,7 @@ def saved_variant(name: str, vcfg, start: dict, eval_every: int) -> tuple[list[t
     return [(0, start), *rows.items()], anchor
 
 
-def run_variant(session: Session, name: str, sft_weights, train, test, start: dict,
+def run_variant(session: Session, cfg, name: str, sft_weights, train, test, start: dict,
                 eval_every: int) -> tuple[list[tuple[int, dict]], dict | None]:
     """One method from the SFT weights (or its latest checkpoint), evaluated at `eval_points`; then its EMA anchor
     (None for a fixed reference: that is the SFT model, evaluated once for all methods)."""
@@ -110,7 +110,7 @@ def run_variant(session: Session, name: str, sft_weights, train, test, start: di
     from trainer.checkpoint import latest_checkpoint
     from trainer.loop import Trainer
 
-    vcfg = variant_config(session.cfg, name)
+    vcfg = variant_config(cfg, name)
     if (saved := saved_variant(name, vcfg, start, eval_every)) is not None:
         console.print(f"{name}: every evaluation is saved in {vcfg.run_dir}: reusing them")
         return saved
@@ -204,8 +204,46 @@ def final_table(finals: dict[str, tuple[int, dict]], steps: dict[str, int], fixe
     return lines
 
 
-def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> Path:
+def seed_config(cfg, seed: int):
+    """The run config of training seed `seed`: the same run in <run>/seed-<seed>/ (its methods in folders below)."""
+    return cfg.model_copy(update={"seed": seed, "name": f"{cfg.name}/seed-{seed}"})
+
+
+def declared_models(methods: list[str]) -> list[str]:
+    """Every model a seed's final evaluation has: the SFT start, each method, each moving anchor."""
+    return [SFT, *methods, *(anchor_name(m) for m in methods if not METHODS[m].fixed_reference)]
+
+
+def default_family(methods: list[str]) -> list[tuple[str, str]]:
+    """The comparisons declared when none are given: every later method against every earlier one (EMA-PG - GRPO)."""
+    return [(later, earlier) for earlier, later in combinations(methods, 2)]
+
+
+def seed_evaluations(cfg, methods: list[str], seeds: list[int]) -> dict[str, dict[int, Path]]:
+    """model -> seed -> the folder of its final held-out evaluation, for the seeds that have it. The SFT start is
+    the same model at every seed: one evaluation, shared."""
+    evals: dict[str, dict[int, Path]] = {SFT: {seed: cfg.run_dir / "eval-sft" for seed in seeds}}
+    for seed in seeds:
+        for name in methods:
+            vcfg = variant_config(seed_config(cfg, seed), name)
+            final = vcfg.train.iterations
+            folders = {name: vcfg.run_dir / f"eval-{final:04d}"}
+            if not METHODS[name].fixed_reference:
+                folders[anchor_name(name)] = anchor_eval_dir(vcfg.run_dir, final)
+            for model, folder in folders.items():
+                if (folder / "report.json").exists():
+                    evals.setdefault(model, {})[seed] = folder
+    return evals
+
+
+def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str], seeds: list[int] | None = None,
+                comparisons: list[tuple[str, str]] | None = None) -> Path:
+    """The methods from one SFT start. With `seeds`, once per training seed (each in <run>/seed-<s>/, resumable;
+    processes running other seeds may share the folder once its SFT exists), and the plan (the models, the seeds and
+    the comparisons: the family Holm corrects over) is written to <run>/plan.json before the first run; then
+    <run>/seeds.md tests the methods across the seeds that have finished."""
     from agent.policy import load_policy
+    from eval.seed_report import write_plan, write_seed_report
     from trainer.checkpoint import latest_checkpoint, load_policy_weights
 
     if cfg.lora.rank and not all(METHODS[name].fixed_reference for name in methods):
@@ -213,35 +251,45 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str]) -> 
                          "LoRA anchor (W0 + a dense delta) has no such weights: run compare with lora.rank=0")
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    begin = time.perf_counter()
-    held_out: dict[str, list[tuple[int, dict]]] = {}
-    anchors: dict[str, dict] = {}
+    if seeds:
+        write_plan(out, declared_models(methods), comparisons or default_family(methods), seeds)
     with open_session(cfg, log=out / "server.log") as session:
         client, tag = session.client, session.index_tag
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
         if init is None and latest_checkpoint(cfg.sft_dir) is not None:
             init = cfg.sft_dir  # an earlier run's SFT
             console.print(f"reusing the SFT checkpoint in {init}")
-        if init is None:  # no SFT checkpoint given: make one, shared by every method
+        if init is None:  # no SFT checkpoint given: make one, shared by every method (and every seed)
             console.rule("SFT warm start")
             init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), session.tokenizer,
                            build_sft_data(cfg, client, session.tokenizer, train))
         sft_weights = load_policy_weights(init)
-        check_start(out, init)
-        session.policy.load_state_dict(sft_weights)
-        # One engine for every method's rollouts and evaluations (the session's).
-        start = held_out_eval(session, nullcontext(session.policy), test, SFT, out / "eval-sft")
-        for name in methods:
-            console.rule(name)
-            held_out[name], anchor = run_variant(session, name, sft_weights, train, test, start, eval_every)
-            if anchor is not None:
-                anchors[name] = anchor
-    return write_report(cfg, init, held_out, anchors, sum(len(v) for v in test.values()),
-                        (time.perf_counter() - begin) / 60)
+        for run_cfg in [seed_config(cfg, seed) for seed in seeds] if seeds else [cfg]:
+            begin = time.perf_counter()
+            held_out: dict[str, list[tuple[int, dict]]] = {}
+            anchors: dict[str, dict] = {}
+            run_cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            check_start(run_cfg.run_dir, init)
+            session.policy.load_state_dict(sft_weights)
+            # One engine for every method's rollouts and evaluations (the session's); the SFT start's evaluation is
+            # the same for every seed (greedy), made once in <run>/eval-sft.
+            start = held_out_eval(session, nullcontext(session.policy), test, SFT, out / "eval-sft")
+            for name in methods:
+                console.rule(name if run_cfg is cfg else f"{name}, seed {run_cfg.seed}")
+                held_out[name], anchor = run_variant(session, run_cfg, name, sft_weights, train, test, start,
+                                                     eval_every)
+                if anchor is not None:
+                    anchors[name] = anchor
+            report = write_report(run_cfg, init, held_out, anchors, sum(len(v) for v in test.values()),
+                                  (time.perf_counter() - begin) / 60, sft_eval=out / "eval-sft")
+            if seeds:
+                report = write_seed_report(out, seed_evaluations(cfg, methods, seeds))
+                console.print(report.read_text())
+    return report
 
 
 def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], anchors: dict[str, dict],
-                 questions: int, wall_minutes: float) -> Path:
+                 questions: int, wall_minutes: float, sft_eval: Path | None = None) -> Path:
     """compare.md, compare.json and compare.png from the methods' evaluation points (each starting with the shared
     SFT evaluation), their anchors' final evaluations, and what the run folders hold: the training logs and every
     final evaluation's trajectories, paired per question."""
@@ -254,7 +302,7 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     curves = {name: last_per_iteration(read_metrics(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
     steps = {name: adamw_steps(metrics) for name, metrics in curves.items()}
     # The final evaluations, paired on the same questions: model -> (iteration, pooled row, its folder).
-    finals = {SFT: (0, held_out[methods[0]][0][1], out / "eval-sft")}
+    finals = {SFT: (0, held_out[methods[0]][0][1], sft_eval or out / "eval-sft")}
     for name in methods:
         final, row = held_out[name][-1]
         finals[name] = (final, row, runs[name].run_dir / f"eval-{final:04d}")
@@ -279,9 +327,12 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
               "took (an anchor's are its method's).", "",
               *final_table({model: (it, p) for model, (it, p, _) in finals.items()},
                            {SFT: 0, **steps, **{anchor_name(name): steps[name] for name in anchors}}, fixed), "",
-              f"Paired on the same {questions} questions: A - B is the difference in EM, its 95% CI the Agresti-Min "
-              "interval; McNemar p is the exact two-sided test on the questions exactly one of the two got right. "
-              f"The p values are not corrected for the {len(paired_rows)} comparisons.", "", *paired_lines]
+              f"Paired on the same {questions} questions, for these checkpoints (one training run of each method, "
+              f"seed {cfg.seed}): A - B is the difference in EM, its 95% CI the Agresti-Min interval; McNemar p is "
+              "the exact two-sided test on the questions exactly one of the two got right. Its noise is which "
+              "questions were drawn, not how training went: it compares these checkpoints, not the methods "
+              "(`emapg compare --seeds` tests methods across training seeds). The p values are not corrected for "
+              f"the {len(paired_rows)} comparisons.", "", *paired_lines]
     for name, vcfg in runs.items():
         lines += ["", *events_markdown(vcfg.run_dir, title=f"{name} guard")]
     (out / "compare.md").write_text("\n".join(lines) + "\n")

@@ -328,3 +328,51 @@ def test_a_method_with_every_evaluation_saved_is_read_back_and_one_missing_any_i
     anchor = saved_report(emapg.run_dir / "eval-anchor-0100", 0.6)
     points, saved_anchor = saved_variant("EMA-PG", emapg, start, 50)
     assert points[-1] == (100, policy) and saved_anchor == anchor
+
+
+def test_seeds_run_in_folders_of_their_own_and_the_report_pairs_their_final_evaluations(tmp_path):
+    from emapg.compare import declared_models, default_family, seed_config, seed_evaluations
+    from eval.seed_report import write_plan, write_seed_report
+    from test_seed_report import ALL, fabricated_eval
+
+    def evaluated(folder, em: float):  # FABRICATED trajectories, written by the real writers: the first em x n right
+        fabricated_eval(folder, set(ALL[: round(em * len(ALL))]))
+
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "train.iterations=2"])
+    methods = ["GRPO", "EMA-PG"]
+    seeds = [0, 1, 2]
+    assert declared_models(methods) == [SFT, "GRPO", "EMA-PG", "EMA-PG anchor"]  # GRPO's anchor is the SFT model
+    assert default_family(methods) == [("EMA-PG", "GRPO")]
+    runs = {seed: seed_config(cfg, seed) for seed in seeds}
+    assert [(r.seed, r.run_dir) for r in runs.values()] == [(s, cfg.run_dir / f"seed-{s}") for s in seeds]
+    assert variant_config(runs[1], "EMA-PG").run_dir == cfg.run_dir / "seed-1" / "ema-pg"
+    plan = write_plan(cfg.run_dir, declared_models(methods), default_family(methods), seeds)
+    evaluated(cfg.run_dir / "eval-sft", 0.2)
+    # Seeds 0 and 1 finished (final evaluations at iteration 2, EMA-PG's anchor too); seed 2 has only GRPO's.
+    for seed, (grpo, emapg) in {0: (0.3, 0.5), 1: (0.4, 0.6)}.items():
+        evaluated(variant_config(runs[seed], "GRPO").run_dir / "eval-0002", grpo)
+        evaluated(variant_config(runs[seed], "EMA-PG").run_dir / "eval-0002", emapg)
+        evaluated(variant_config(runs[seed], "EMA-PG").run_dir / "eval-anchor-0002", emapg)
+    evaluated(variant_config(runs[2], "GRPO").run_dir / "eval-0002", 0.1)
+    evals = seed_evaluations(cfg, methods, seeds)
+    assert sorted(evals["GRPO"]) == [0, 1, 2] and sorted(evals["EMA-PG"]) == [0, 1]
+    assert set(evals[SFT].values()) == {cfg.run_dir / "eval-sft"}  # one evaluation of the shared start
+    report = json.loads((write_seed_report(cfg.run_dir, evals, plan).with_suffix(".json")).read_text())
+    assert report["seeds"] == [0, 1] and report["unfinished_seeds"] == [2]
+    (row,) = report["comparisons"]
+    assert (row["a"], row["b"], row["wins"]) == ("EMA-PG", "GRPO", 2) and row["mean"] == pytest.approx(0.2)
+    assert row["p"] == 0.5  # two seeds: the exact sign-flip test cannot go below 2 / 2^2
+
+
+def test_the_cli_refuses_comparisons_it_cannot_test_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from emapg.cli import app
+
+    for args, message in ((["--compare", "EMA-PG:GRPO"], "give --seeds too"),
+                          (["--seeds", "0,1", "--compare", "EMA-PG:PPO"], "must be A:B"),
+                          (["--seeds", "0,0"], "names a seed twice"),
+                          (["--seeds", "zero"], "--methods/--seeds")):
+        result = CliRunner().invoke(app, ["compare", "--methods", "GRPO,EMA-PG", *args, f"out_dir={tmp_path}"])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), (args, result.output)
+    assert not list(tmp_path.iterdir())
