@@ -141,11 +141,12 @@ def seed_markdown(report: dict) -> str:
                      f"{c['wins']} / {c['losses']} / {c['ties']} | {format_p(c['p'])} | {format_p(c['holm_p'])} |")
     lines += ["", "Secondary, per seed: McNemar over the questions (exact, two-sided, uncorrected). Its noise is which "
               "questions were drawn, for these two checkpoints; it says nothing about the methods.", "",
-              "| A | B | seed | A - B | A right, B wrong | B right, A wrong | McNemar p |", "|---|---|---|---|---|---|---|"]
+              "| A | B | seed | A - B | A right, B wrong | B right, A wrong | McNemar p |",
+              "|---|---|---|---|---|---|---|"]
     for c in report["comparisons"]:
         for q in c["mcnemar"]:
-            lines.append(f"| {c['a']} | {c['b']} | {q['seed']} | {q['difference']:+.3f} | {q['a_only']} | {q['b_only']} | "
-                         f"{format_p(q['p'])} |")
+            lines.append(f"| {c['a']} | {c['b']} | {q['seed']} | {q['difference']:+.3f} | {q['a_only']} | "
+                         f"{q['b_only']} | {format_p(q['p'])} |")
     return "\n".join(lines) + "\n"
 
 
