@@ -238,10 +238,12 @@ def _hub_download(dataset: str, split: str) -> Path:
 
 
 def load_flashrag(dataset: str, split: str | None = None, root: Path | str | None = None) -> list[QAExample]:
-    """One FlashRAG set. With `root`, read `root/dataset/split.jsonl`; without, download it from the hub.
+    """One FlashRAG set. With `root`, read `root/dataset/split.jsonl` (any dataset folder there: a set of one's own
+    in FlashRAG's format, such as the two-hop KB study's); without, download one of the seven from the hub.
     `split=None` picks "test" where the set has one, else "dev" (as Search-R1 evaluates: HotpotQA, 2Wiki and
     Musique have no test labels)."""
-    if dataset not in FLASHRAG_DATASETS:
+    own_set = root is not None and (Path(root) / dataset).is_dir()
+    if dataset not in FLASHRAG_DATASETS and not own_set:
         raise ValueError(f"unknown FlashRAG dataset {dataset!r}; expected one of: {', '.join(FLASHRAG_DATASETS)}")
     splits = [split] if split is not None else ["test", "dev"]
     if root is not None:

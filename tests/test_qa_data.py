@@ -212,6 +212,13 @@ def test_flashrag_unknown_dataset_lists_the_seven(tmp_path):
     assert all(name in str(err.value) for name in FLASHRAG_DATASETS) and len(FLASHRAG_DATASETS) == 7
 
 
+def test_a_set_of_ones_own_loads_from_a_local_root_in_flashrags_format(tmp_path):
+    write_jsonl(tmp_path / "kb2hop" / "test.jsonl", flashrag_rows(3, "kb"))
+    assert [ex.id for ex in load_flashrag("kb2hop", "test", root=tmp_path)] == [f"kb2hop/test/{i}" for i in range(3)]
+    with pytest.raises(ValueError, match="unknown FlashRAG dataset 'kb1hop'"):  # no such folder: not a set
+        load_flashrag("kb1hop", "test", root=tmp_path)
+
+
 def test_flashrag_hub_falls_back_to_dev_when_test_is_absent(tmp_path, monkeypatch):
     import httpx2
     import huggingface_hub
