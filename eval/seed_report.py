@@ -17,7 +17,9 @@ unfinished.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -50,15 +52,21 @@ def write_plan(folder: Path, methods: Sequence[str], comparisons: Sequence[tuple
     plan = {"metric": METRIC, "test": "exact two-sided sign-flip across seeds", "correction": "Holm over comparisons",
             "methods": list(methods), "comparisons": [list(p) for p in pairs], "seeds": sorted(set(seeds))}
     path = Path(folder) / PLAN_FILE
-    if path.exists():
-        saved = read_plan(folder)
-        for key in ("methods", "comparisons"):
-            if saved[key] != plan[key]:
-                raise ValueError(f"{path} declares {key} {saved[key]}, not {plan[key]}: the family is fixed before "
-                                 "the results; use a new folder for another plan")
-        plan["seeds"] = sorted(set(saved["seeds"]) | set(plan["seeds"]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=1) + "\n")
+    # Processes started side by side read, merge and write under one lock, so that no one's seeds are lost; the
+    # file is replaced whole, so that a reader never sees half of it.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            saved = read_plan(folder)
+            for key in ("methods", "comparisons"):
+                if saved[key] != plan[key]:
+                    raise ValueError(f"{path} declares {key} {saved[key]}, not {plan[key]}: the family is fixed "
+                                     "before the results; use a new folder for another plan")
+            plan["seeds"] = sorted(set(saved["seeds"]) | set(plan["seeds"]))
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(plan, indent=1) + "\n")
+        partial.replace(path)
     return plan
 
 
@@ -80,10 +88,13 @@ def seed_report(evals: Mapping[str, Mapping[int, Path]], comparisons: Sequence[t
     of that model's final held-out evaluation at that training seed (a model shared by every seed, such as the SFT
     start, may map every seed to one folder); `comparisons`: the declared family, (A, B) reported as A - B; `seeds`:
     the declared seeds, of which those with every model's evaluation are used."""
+    # A compared model with no evaluation yet is a model with no seed, not an unknown name.
+    evals = {**evals, **{name: {} for pair in comparisons for name in pair if name not in evals}}
     pairs = check_comparisons(list(evals), comparisons)
     complete = [s for s in sorted(set(seeds)) if all(s in per_seed for per_seed in evals.values())]
     if not complete:
-        raise ValueError(f"seeds: none of {sorted(set(seeds))} has an evaluation of every model {list(evals)}")
+        lacking = {m: sorted(set(seeds) - set(per_seed)) for m, per_seed in evals.items() if set(seeds) - set(per_seed)}
+        raise ValueError(f"seeds: none of {sorted(set(seeds))} has an evaluation of every model; missing: {lacking}")
     read: dict[Path, dict] = {}  # a folder shared by every seed (the SFT start) is read once
 
     def questions(folder: Path) -> dict:

@@ -5,6 +5,7 @@ fabricated, the sign-flip test, Holm and McNemar computed directly."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 import pytest
 
@@ -108,9 +109,16 @@ def test_plan_fixes_the_family_and_collects_seeds(tmp_path, folders):
     assert path.read_text().startswith("## Across training seeds: 5 seeds")
 
 
+def test_plans_written_side_by_side_keep_every_seed(tmp_path):
+    # Processes started together, each declaring its own seeds into one folder.
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        pool.starmap(write_plan, [(tmp_path, ["A", "B"], [("A", "B")], [seed]) for seed in range(8)])
+    assert read_plan(tmp_path)["seeds"] == list(range(8))
+
+
 def test_bad_comparisons_are_refused(tmp_path, folders):
-    with pytest.raises(ValueError, match="two different methods"):
-        seed_report(folders, [("A", "C")], seeds=range(5))
+    with pytest.raises(ValueError, match=r"missing: \{'C': \[0, 1, 2, 3, 4\]\}"):
+        seed_report(folders, [("A", "C")], seeds=range(5))  # C: a typo, or a model with no evaluation yet
     with pytest.raises(ValueError, match="two different methods"):
         write_plan(tmp_path, ["A", "B"], [("A", "A")], seeds=[0])
     with pytest.raises(ValueError, match="listed twice"):
