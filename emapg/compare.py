@@ -19,9 +19,11 @@ checkpoint that differs cannot pair its evaluations with another start's.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import combinations
 from pathlib import Path
 
@@ -204,6 +206,17 @@ def final_table(finals: dict[str, tuple[int, dict]], steps: dict[str, int], fixe
     return lines
 
 
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (made if missing) for the duration: other processes wait."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def seed_config(cfg, seed: int):
     """The run config of training seed `seed`: the same run in <run>/seed-<seed>/ (its methods in folders below)."""
     return cfg.model_copy(update={"seed": seed, "name": f"{cfg.name}/seed-{seed}"})
@@ -251,29 +264,34 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str], see
                          "LoRA anchor (W0 + a dense delta) has no such weights: run compare with lora.rank=0")
     out = cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
-    if seeds:
-        write_plan(out, declared_models(methods), comparisons or default_family(methods), seeds)
     with open_session(cfg, log=out / "server.log") as session:
         client, tag = session.client, session.index_tag
         train, test = train_examples(cfg, client, tag), eval_examples(cfg, client, tag)
-        if init is None and latest_checkpoint(cfg.sft_dir) is not None:
-            init = cfg.sft_dir  # an earlier run's SFT
-            console.print(f"reusing the SFT checkpoint in {init}")
-        if init is None:  # no SFT checkpoint given: make one, shared by every method (and every seed)
-            console.rule("SFT warm start")
-            init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), session.tokenizer,
-                           build_sft_data(cfg, client, session.tokenizer, train))
-        sft_weights = load_policy_weights(init)
-        for run_cfg in [seed_config(cfg, seed) for seed in seeds] if seeds else [cfg]:
-            begin = time.perf_counter()
-            held_out: dict[str, list[tuple[int, dict]]] = {}
-            anchors: dict[str, dict] = {}
-            run_cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            check_start(run_cfg.run_dir, init)
+        # Processes running other seeds into the same folder: one at a time declares its seeds, makes the SFT start
+        # and evaluates it; the others then find both on disk.
+        with exclusive(out / ".setup.lock"):
+            if seeds:
+                write_plan(out, declared_models(methods), comparisons or default_family(methods), seeds)
+            if init is None and latest_checkpoint(cfg.sft_dir) is not None:
+                init = cfg.sft_dir  # an earlier run's SFT
+                console.print(f"reusing the SFT checkpoint in {init}")
+            if init is None:  # no SFT checkpoint given: make one, shared by every method (and every seed)
+                console.rule("SFT warm start")
+                init = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), session.tokenizer,
+                               build_sft_data(cfg, client, session.tokenizer, train))
+            sft_weights = load_policy_weights(init)
+            check_start(out, init)
             session.policy.load_state_dict(sft_weights)
             # One engine for every method's rollouts and evaluations (the session's); the SFT start's evaluation is
             # the same for every seed (greedy), made once in <run>/eval-sft.
             start = held_out_eval(session, nullcontext(session.policy), test, SFT, out / "eval-sft")
+        for run_cfg in [seed_config(cfg, seed) for seed in seeds] if seeds else [cfg]:
+            begin = time.perf_counter()
+            held_out: dict[str, list[tuple[int, dict]]] = {}
+            anchors: dict[str, dict] = {}
+            if run_cfg is not cfg:
+                run_cfg.run_dir.mkdir(parents=True, exist_ok=True)
+                check_start(run_cfg.run_dir, init)
             for name in methods:
                 console.rule(name if run_cfg is cfg else f"{name}, seed {run_cfg.seed}")
                 held_out[name], anchor = run_variant(session, run_cfg, name, sft_weights, train, test, start,
