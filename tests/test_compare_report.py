@@ -35,8 +35,8 @@ from trainer.methods import METHODS, chosen_methods
 
 def test_the_three_methods_differ_only_in_anchor_and_estimator(tmp_path):
     cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}"])
-    assert list(METHODS) == ["GRPO", "EMA-k3", "EMA-PG"]
-    grpo, ema_k3, emapg = (variant_config(cfg, name).model_dump() for name in METHODS)
+    assert list(METHODS)[:3] == ["GRPO", "EMA-k3", "EMA-PG"]
+    grpo, ema_k3, emapg = (variant_config(cfg, name).model_dump() for name in ("GRPO", "EMA-k3", "EMA-PG"))
     assert (grpo["ema"]["tau"], grpo["kl"]["estimator"]) == (1.0, "k3")
     assert (ema_k3["ema"]["tau"], ema_k3["kl"]["estimator"]) == (cfg.ema.tau, "k3") and cfg.ema.tau < 1
     assert (emapg["ema"]["tau"], emapg["kl"]["estimator"]) == (cfg.ema.tau, "topk")
@@ -47,7 +47,7 @@ def test_the_three_methods_differ_only_in_anchor_and_estimator(tmp_path):
         rest = [{k: v for k, v in method[section].items() if k != varied} for method in (grpo, ema_k3, emapg)]
         assert rest[0] == rest[1] == rest[2], section
     # Each method in a folder of its own; GRPO's and EMA-PG's are the ones earlier runs used (they resume there).
-    folders = [variant_config(cfg, name).run_dir for name in METHODS]
+    folders = [variant_config(cfg, name).run_dir for name in ("GRPO", "EMA-k3", "EMA-PG")]
     assert [f.name for f in folders] == ["grpo", "ema-k3", "ema-pg"] and {f.parent for f in folders} == {cfg.run_dir}
 
 
@@ -55,12 +55,13 @@ def test_methods_are_chosen_by_name_in_the_reports_order():
     def names(spec):
         return [method.name for method in chosen_methods(spec)]
 
-    assert names("GRPO,EMA-k3,EMA-PG") == list(METHODS)
+    assert names("GRPO,EMA-k3,EMA-PG") == ["GRPO", "EMA-k3", "EMA-PG"]
     assert names("ema-pg, grpo") == ["GRPO", "EMA-PG"]
     assert names("EMA-PG,EMA-PG") == ["EMA-PG"]
-    assert [m.name for m in METHODS.values() if m.fixed_reference] == ["GRPO"]  # the one whose anchor is SFT
+    # The methods whose anchor is the SFT model: exactly those with ema.tau = 1 (Method.config checks it).
+    assert [m.name for m in METHODS.values() if m.fixed_reference] == ["GRPO", "GRPO-k3c", "GRPO-floor"]
     for bad in ("PPO", "GRPO,emapg", ""):
-        with pytest.raises(ValueError, match="choose from GRPO, EMA-k3, EMA-PG"):
+        with pytest.raises(ValueError, match="choose from GRPO, EMA-k3, EMA-PG, GRPO-k3c"):
             chosen_methods(bad)
 
 
@@ -80,7 +81,7 @@ def test_adamw_steps_count_a_resumed_runs_replayed_iterations_once():
 
 
 def test_pairs_are_each_model_against_sft_later_methods_against_earlier_and_anchors_against_their_policy():
-    assert comparison_pairs(list(METHODS), ["EMA-k3", "EMA-PG"]) == [
+    assert comparison_pairs(["GRPO", "EMA-k3", "EMA-PG"], ["EMA-k3", "EMA-PG"]) == [
         ("GRPO", SFT), ("EMA-k3", SFT), ("EMA-PG", SFT), ("EMA-k3 anchor", SFT), ("EMA-PG anchor", SFT),
         ("EMA-k3", "GRPO"), ("EMA-PG", "GRPO"), ("EMA-PG", "EMA-k3"),
         ("EMA-k3 anchor", "EMA-k3"), ("EMA-PG anchor", "EMA-PG")]
@@ -120,9 +121,9 @@ def test_final_table_gives_each_model_its_steps_and_says_grpos_anchor_is_sft():
 
 
 def test_plot_takes_three_methods(tmp_path):
-    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in METHODS}
+    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in ("GRPO", "EMA-k3", "EMA-PG")}
     point = {"em": 0.2, "em_low": 0.1, "em_high": 0.3}
-    plot_methods(curves, {name: [(0, point), (2, point)] for name in METHODS}, tmp_path / "compare.png")
+    plot_methods(curves, {name: [(0, point), (2, point)] for name in curves}, tmp_path / "compare.png")
     assert (tmp_path / "compare.png").stat().st_size > 0
 
 
@@ -376,3 +377,15 @@ def test_the_cli_refuses_comparisons_it_cannot_test_before_starting_anything(tmp
         result = CliRunner().invoke(app, ["compare", "--methods", "GRPO,EMA-PG", *args, f"out_dir={tmp_path}"])
         assert result.exit_code == 2 and message in " ".join(result.output.split()), (args, result.output)
     assert not list(tmp_path.iterdir())
+
+
+def test_every_method_in_the_table_makes_a_valid_config_that_differs_only_in_its_keys(tmp_path):
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}"])
+    for name, method in METHODS.items():
+        made = variant_config(cfg, name)
+        for key, value in method.overrides.items():
+            section, field = key.split(".")
+            assert getattr(getattr(made, section), field) == value, (name, key)
+        assert (made.ema.tau == 1.0) == method.fixed_reference
+    assert variant_config(cfg, "GRPO-floor").kl.beta == 0.001 and variant_config(cfg, "EMA-PG-released").kl.estimator \
+        == "topk_released"

@@ -3,6 +3,7 @@
     GRPO     fixed reference (ema.tau = 1), k3 KL            the anchor is the start model and never moves
     EMA-k3   EMA anchor, k3 KL                               the anchor alone
     EMA-PG   EMA anchor, Top-k KL                            the paper's method
+    and the two-hop study's arms: GRPO-k3c, GRPO-floor, EMA-k3c (the authors' clamped k3), EMA-PG-released
 
 `emapg compare` and the experiments read this table (not `ema.tau == 1` tests), so a method added here is run,
 evaluated and reported everywhere the same way. Config only: no torch.
@@ -36,10 +37,21 @@ class Method:
         return cfg
 
 
+# The authors' GRPO baseline (LunjunZhang/ema-pg, docs/fidelity.md): verl's low_var_kl, no importance weight.
+AUTHORS_K3 = {"kl.estimator": "k3_clamped", "kl.importance_weight": False}
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("GRPO", {"ema.tau": 1.0, "kl.estimator": "k3"}, fixed_reference=True, about="fixed reference, k3 KL"),
     Method("EMA-k3", {"kl.estimator": "k3"}, about="EMA anchor, k3 KL"),
     Method("EMA-PG", {"kl.estimator": "topk"}, about="EMA anchor, Top-k KL"),
+    # The two-hop study's arms (docs/study_two_hop_plan.md): the authors' baseline KL, and their released Top-k.
+    Method("GRPO-k3c", {"ema.tau": 1.0, **AUTHORS_K3}, fixed_reference=True,
+           about="fixed reference, the authors' clamped k3 without importance weight"),
+    Method("GRPO-floor", {"ema.tau": 1.0, **AUTHORS_K3, "kl.beta": 0.001}, fixed_reference=True,
+           about="GRPO-k3c at the paper's beta 0.001, where the KL term barely acts"),
+    Method("EMA-k3c", AUTHORS_K3, about="EMA anchor, the authors' clamped k3 without importance weight"),
+    Method("EMA-PG-released", {"kl.estimator": "topk_released"},
+           about="EMA anchor, the authors' released Top-k (no head-mass correction: biased by +grad P_q)"),
 )}
 
 
