@@ -175,6 +175,6 @@ def train_overrides(study: StudyConfig, cell: Cell) -> list[str]:
         f"train.micro_batch_size={rl.micro_batch_size}", f"train.warmup_steps={rl.warmup_steps}",
         f"rollout.max_turns={rl.max_turns}", f"rollout.max_tokens_per_turn={rl.max_tokens_per_turn}",
         f"rollout.max_obs_tokens={rl.max_obs_tokens}", "rollout.backend=transformers",
-        f"rollout.batch_size={rl.prompts_per_iteration * rl.rollouts_per_prompt}", f"retriever.topk={rl.retriever_topk}",
+        f"rollout.max_in_flight={rl.prompts_per_iteration * rl.rollouts_per_prompt}", f"retriever.topk={rl.retriever_topk}",
         f"checkpoint.every={rl.iterations}", "checkpoint.keep=1",
     ]
