@@ -183,14 +183,17 @@ def paired_section(correct: dict[str, dict], pairs: list[tuple[str, str]]) -> tu
     markdown lines and the same rows for compare.json."""
     from dataclasses import asdict
 
-    lines = ["| A | B | n | EM A | EM B | A - B | 95% CI | A right, B wrong | B right, A wrong | McNemar p |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    from eval.seed_stats import holm
+
+    lines = ["| A | B | n | EM A | EM B | A - B | 95% CI | A right, B wrong | B right, A wrong | McNemar p | "
+             f"Holm p ({len(pairs)}) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    results = [paired_em(correct[a], correct[b]) for a, b in pairs]
     rows = []
-    for a, b in pairs:
-        r = paired_em(correct[a], correct[b])
+    for (a, b), r, adjusted in zip(pairs, results, holm([r.p_value for r in results]), strict=True):
         lines.append(f"| {a} | {b} | {r.n} | {r.em_a:.3f} | {r.em_b:.3f} | {r.difference:+.3f} | "
-                     f"{r.ci95[0]:+.3f} to {r.ci95[1]:+.3f} | {r.a_only} | {r.b_only} | {r.p_value:.3g} |")
-        rows.append({"a": a, "b": b, **asdict(r)})
+                     f"{r.ci95[0]:+.3f} to {r.ci95[1]:+.3f} | {r.a_only} | {r.b_only} | {r.p_value:.3g} | "
+                     f"{adjusted:.3g} |")
+        rows.append({"a": a, "b": b, **asdict(r), "holm_p": adjusted})
     return lines, rows
 
 
@@ -349,8 +352,8 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
               f"seed {cfg.seed}): A - B is the difference in EM, its 95% CI the Agresti-Min interval; McNemar p is "
               "the exact two-sided test on the questions exactly one of the two got right. Its noise is which "
               "questions were drawn, not how training went: it compares these checkpoints, not the methods "
-              "(`emapg compare --seeds` tests methods across training seeds). The p values are not corrected for "
-              f"the {len(paired_rows)} comparisons.", "", *paired_lines]
+              "(`emapg compare --seeds` tests methods across training seeds). Holm p adjusts McNemar's over the "
+              f"{len(paired_rows)} comparisons of this table.", "", *paired_lines]
     for name, vcfg in runs.items():
         lines += ["", *events_markdown(vcfg.run_dir, title=f"{name} guard")]
     (out / "compare.md").write_text("\n".join(lines) + "\n")

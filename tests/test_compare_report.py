@@ -106,7 +106,11 @@ def test_paired_section_from_per_question_results():
     assert rows[2]["p_value"] == 1.0 and rows[2]["difference"] == 0.0
     assert lines[0].startswith("| A | B | n | EM A | EM B | A - B | 95% CI |") and len(lines) == 2 + len(rows)
     low, high = emapg_vs_sft.ci95
-    assert lines[3] == f"| EMA-PG | SFT | 10 | 0.400 | 0.200 | +0.200 | {low:+.3f} to {high:+.3f} | 3 | 1 | 0.625 |"
+    holm_p = rows[1]["holm_p"]  # Holm over the table's 5: the McNemar p values sorted, stepped down
+    ps = sorted(r["p_value"] for r in rows)
+    assert holm_p == pytest.approx(max(min(1.0, (5 - i) * ps[i]) for i in range(ps.index(rows[1]["p_value"]) + 1)))
+    assert lines[3] == (f"| EMA-PG | SFT | 10 | 0.400 | 0.200 | +0.200 | {low:+.3f} to {high:+.3f} | 3 | 1 | 0.625 | "
+                        f"{holm_p:.3g} |")
 
 
 def test_final_table_gives_each_model_its_steps_and_says_grpos_anchor_is_sft():
