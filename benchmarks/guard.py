@@ -26,8 +26,9 @@ from train_step import synthetic_batch
 
 from agent.policy import load_policy
 from trainer.config import load_config
+from trainer.diagnostics import zero_variance_share
 from trainer.engine import PolicyTrainer
-from trainer.guard import Guard, zero_variance_share
+from trainer.guard import Guard
 
 COMPARE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu_compare.yaml"
 
@@ -54,11 +55,12 @@ def observe_seconds(cfg, calls: int) -> float:
     rewards = [float(i % 3 == 0) for i in range(n)]
     groups = [f"g{i // cfg.train.rollouts_per_prompt}" for i in range(n)]
     guard = Guard(cfg.guard, Path("unused"))  # healthy metrics: no event is written
-    metrics = {"reward": 0.2, "em": 0.1, "entropy": 0.25, "kl": 0.001, "clip_fraction": 0.002, "policy_loss": 0.01,
-               "grad_norm": 0.8, "anchor_distance": 0.3, "response_tokens": 90.0, "guard_skipped_steps": 0}
+    learned = {"rollout/reward": 0.2, "rollout/em": 0.1, "loss/entropy": 0.25, "kl/anchor": 0.001,
+               "loss/clip_fraction": 0.002, "loss/policy": 0.01, "loss/grad_norm": 0.8, "kl/anchor_distance": 0.3,
+               "rollout/response_tokens": 90.0, "guard/skipped_steps": 0}
     start = time.perf_counter()
-    for iteration in range(1, calls + 1):
-        metrics["zero_variance_groups"] = zero_variance_share(rewards, groups)
+    for iteration in range(1, calls + 1):  # each iteration's metrics a new dict, as the loop's are
+        metrics = {**learned, "rollout/zero_variance_groups": zero_variance_share(rewards, groups)}
         guard.observe(iteration, metrics)
     return (time.perf_counter() - start) / calls
 

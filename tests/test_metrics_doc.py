@@ -1,5 +1,6 @@
 """docs/metrics.md lists every logged metric once: a tiny RL run and a tiny SFT run log no key it does not document,
-and every key it marks "always" is logged."""
+and every key it marks "always" is logged. Keys are namespaced, merged without silent overwrites, and older runs'
+flat names are read under the new ones (trainer/bookkeeping.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,31 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from test_learner import ragged_trajectories
 from test_training import make_trainer, tiny_config
+
+from trainer.bookkeeping import FLAT_NAMES, NAMESPACES, merge_metrics, namespaced, read_metrics
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
 
-def documented() -> dict[str, dict[str, str]]:
-    """Section title -> {key: when it is logged}, from the tables' rows."""
-    sections: dict[str, dict[str, str]] = {}
+def rows() -> dict[str, dict[str, tuple[str, str]]]:
+    """Section title -> {key: (when it is logged, meaning)}, from the tables' rows."""
+    sections: dict[str, dict[str, tuple[str, str]]] = {}
     for line in DOC.read_text().splitlines():
         if line.startswith("## "):
             section = sections.setdefault(line[3:].split(" (")[0], {})
-        elif row := re.match(r"\| `([^`]+)` \| ([^|]+) \|", line):
-            key, when = row.groups()
+        elif row := re.match(r"\| `([^`]+)` \| ([^|]+) \| (.*) \|$", line):
+            key, when, meaning = row.groups()
             assert key not in section, f"{key} is documented twice in one section"
-            section[key] = when.strip()
+            section[key] = (when.strip(), meaning)
     return sections
+
+
+def documented() -> dict[str, dict[str, str]]:
+    """Section title -> {key: when it is logged}."""
+    return {title: {key: when for key, (when, _) in keys.items()} for title, keys in rows().items()}
 
 
 def logged_keys(metrics_jsonl: Path) -> set[str]:
@@ -49,3 +58,44 @@ def test_every_key_an_sft_run_logs_is_documented(tmp_path, tiny_model, tokenizer
     cfg = tiny_config(tmp_path, "sft.batch_size=6", "sft.micro_batch_size=3")
     SFTTrainer(cfg, copy.deepcopy(tiny_model), ragged_trajectories(len(tokenizer)), tokenizer.pad_token_id).run()
     check(documented()["SFT step"], logged_keys(cfg.sft_dir / "metrics.jsonl"))
+
+
+def test_every_documented_key_is_namespaced_and_says_what_it_was():
+    was = {}
+    for section in rows().values():
+        for key, (_, meaning) in section.items():
+            if key == "iteration":
+                continue
+            assert key.split("/")[0] in NAMESPACES and key.count("/") == 1, key
+            if old := re.search(r"\(was `([^`]+)`\)", meaning):
+                was[old.group(1)] = key
+    assert was == FLAT_NAMES  # the docs' "was" notes and the reader's mapping are the same, both ways
+
+
+def test_merge_metrics_refuses_a_key_two_sources_produce():
+    assert merge_metrics({"rollout/reward": 0.5}, {"loss/policy": 0.1}, {}) == {"rollout/reward": 0.5,
+                                                                                "loss/policy": 0.1}
+    with pytest.raises(ValueError, match=r"\['time/rollout_s'\] come from two sources"):
+        merge_metrics({"time/rollout_s": 1.0, "rollout/em": 0.0}, {"time/rollout_s": 2.0})
+
+
+def test_namespaced_places_flat_names_and_keeps_namespaced_ones():
+    stats = {"policy_loss": 0.1, "kl": 0.01, "time_update_s": 2.0, "kl/grad_share": 0.003}
+    assert namespaced(stats) == {"loss/policy": 0.1, "kl/anchor": 0.01, "time/update_s": 2.0,
+                                 "kl/grad_share": 0.003}
+    with pytest.raises(KeyError, match="'grad_share' has no namespace"):
+        namespaced({"grad_share": 0.003})
+    with pytest.raises(KeyError, match="'learner/x' has no namespace"):
+        namespaced({"learner/x": 1.0})
+    with pytest.raises(ValueError, match="two sources"):  # a flat name and its namespaced one
+        namespaced({"kl": 0.01, "kl/anchor": 0.02})
+
+
+def test_read_metrics_reads_an_older_flat_log_under_the_new_names(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    # A run from before the namespaces, resumed after: its file holds both kinds of row.
+    path.write_text(json.dumps({"iteration": 1, "reward": 0.25, "kl": 0.01, "time_rollout_s": 60.0}) + "\n\n"
+                    + json.dumps({"iteration": 2, "rollout/reward": 0.5, "kl/grad_share": 0.002}) + "\n")
+    assert read_metrics(path) == [{"iteration": 1, "rollout/reward": 0.25, "kl/anchor": 0.01, "time/rollout_s": 60.0},
+                                  {"iteration": 2, "rollout/reward": 0.5, "kl/grad_share": 0.002}]
+    assert read_metrics(tmp_path / "missing.jsonl") == []

@@ -1,5 +1,6 @@
 """What a run keeps besides the model: the order its prompts come in (a seeded permutation per epoch, with a cursor
-that checkpoints save) and its per-iteration log (JSONL + TensorBoard). Used by the RL and the SFT trainers alike.
+that checkpoints save) and its per-iteration log (JSONL + TensorBoard), whose keys are namespaced (`rollout/`,
+`loss/`, `kl/`, `time/`, `guard/`; docs/metrics.md). Used by the RL and the SFT trainers alike.
 Seeding and the learning-rate schedule are transformers' (`set_seed`, `get_constant_schedule_with_warmup`).
 """
 
@@ -8,11 +9,98 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from data.qa import QAExample
 from trainer.config import TrainConfig
+
+NAMESPACES = ("rollout", "loss", "kl", "time", "guard")
+
+# The flat names -> the logged ones. Flat are what trainer.learner and trainer.engine return (trainer.loop places
+# them; a name they return as "<namespace>/<name>" is kept) and what runs logged before the namespaces (the records
+# in docs/evidence/*_logs.tar.gz, and any run resumed from one): `read_metrics` reads those under the new names.
+FLAT_NAMES = {
+    # rollouts (trainer.loop, trainer.engine)
+    "reward": "rollout/reward",
+    "em": "rollout/em",
+    "format": "rollout/format",
+    "response_tokens": "rollout/response_tokens",
+    "observation_tokens": "rollout/observation_tokens",
+    "searches": "rollout/searches",
+    "turns": "rollout/turns",
+    "invalid_action_rate": "rollout/invalid_action_rate",
+    "loss_mask_coverage": "rollout/loss_mask_coverage",
+    "zero_variance_groups": "rollout/zero_variance_groups",
+    "rollout_retrieval_wait_s": "rollout/retrieval_wait_s",
+    # the update (trainer.learner; trainer.sft)
+    "loss": "loss/total",
+    "policy_loss": "loss/policy",
+    "clip_fraction": "loss/clip_fraction",
+    "approx_kl_old": "loss/approx_kl_old",
+    "ratio_mean": "loss/ratio_mean",
+    "entropy": "loss/entropy",
+    "grad_norm": "loss/grad_norm",
+    "lr": "loss/lr",
+    "optimizer_steps": "loss/optimizer_steps",
+    "sampler_trainer_logprob_gap_mean": "loss/sampler_trainer_logprob_gap_mean",
+    "sampler_trainer_logprob_gap_max": "loss/sampler_trainer_logprob_gap_max",
+    "sft_loss": "loss/sft",
+    "model_tokens": "loss/model_tokens",
+    # the anchor (trainer.learner, trainer.engine)
+    "kl": "kl/anchor",
+    "anchor_distance": "kl/anchor_distance",
+    # phases (trainer.loop, trainer.engine; trainer.sft)
+    "time_weight_sync_s": "time/weight_sync_s",
+    "time_rollout_s": "time/rollout_s",
+    "time_prepare_s": "time/prepare_s",
+    "time_update_s": "time/update_s",
+    "time_ema_s": "time/ema_s",
+    "time_step_s": "time/step_s",
+    # the guard (trainer.guard, trainer.learner)
+    "reward_smoothed": "guard/reward_smoothed",
+    "reward_peak": "guard/reward_peak",
+    "entropy_smoothed": "guard/entropy_smoothed",
+    "entropy_start": "guard/entropy_start",
+    "guard_rollbacks": "guard/rollbacks",
+    "guard_skipped_steps": "guard/skipped_steps",
+}
+
+
+def merge_metrics(*parts: dict[str, Any]) -> dict[str, Any]:
+    """One dict from several, in order; a key in two of them is an error (a plain merge would keep the last one's
+    value without a word)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        if clash := merged.keys() & part.keys():
+            raise ValueError(f"metrics {sorted(clash)} come from two sources: one would overwrite the other")
+        merged.update(part)
+    return merged
+
+
+def logged_name(key: str) -> str:
+    """A flat name's namespaced one (FLAT_NAMES); a "<namespace>/<name>" one as it is."""
+    name = FLAT_NAMES.get(key, key)
+    namespace, slash, _ = name.partition("/")
+    if not slash or namespace not in NAMESPACES:
+        raise KeyError(f"metric {key!r} has no namespace: name it '<namespace>/{key}' with a namespace of "
+                       f"{NAMESPACES} (and document it in docs/metrics.md)")
+    return name
+
+
+def namespaced(stats: dict[str, Any]) -> dict[str, Any]:
+    """`stats` under their logged names; two keys for one name (a flat one and its namespaced one) are an error."""
+    return merge_metrics(*({logged_name(key): value} for key, value in stats.items()))
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl, one dict per line (none for a missing file), every row under the namespaced names:
+    a flat name from before the namespaces is read as its FLAT_NAMES name."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{FLAT_NAMES.get(key, key): value for key, value in row.items()} for row in rows]
 
 
 @dataclass

@@ -5,10 +5,10 @@ every iteration, and (optionally) a collapse rolls the run back to its last good
         skips the whole step (gradients dropped, no AdamW step, no scheduler step); `max_consecutive_skips` skipped
         steps in a row stop the run. Under DDP/FSDP the ranks agree: the gradient norm is taken after the all-reduce
         (the same on every rank) and the first bad micro-batch is all-reduced too.
-    per iteration (trainer.loop, `Guard`): signals beside the metrics (the reward's trailing mean and its running
-        peak, the entropy's trailing mean and its value at the run's first iteration; entropy, KL to the anchor, clip
-        fraction, response length and the share of zero-variance groups are logged already) and the collapse rules,
-        pure functions of them. A fired rule is an event in
+    per iteration (trainer.loop, `Guard`): signals beside the metrics, under `guard/` (the reward's trailing mean and
+        its running peak, the entropy's trailing mean and its value at the run's first iteration; entropy, KL to the
+        anchor, clip fraction, response length and the share of zero-variance groups are logged already) and the
+        collapse rules, pure functions of them. A fired rule is an event in
         <run>/guard_events.jsonl: a warning, a rollback (the latest checkpoint, which passed the rules when it was
         saved, with the learning rate x guard.lr_decay) or, once guard.max_rollbacks are used, the end of the run.
 
@@ -21,19 +21,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.bookkeeping import merge_metrics
 from trainer.config import GuardSection
 
 log = logging.getLogger("emapg.guard")
 
 EVENTS_FILE = "guard_events.jsonl"
 # Metrics that must be finite every iteration (the learning ones exist when at least one optimizer step was taken).
-FINITE_METRICS = ("reward", "policy_loss", "kl", "entropy", "grad_norm", "anchor_distance")
+FINITE_METRICS = ("rollout/reward", "loss/policy", "kl/anchor", "loss/entropy", "loss/grad_norm", "kl/anchor_distance")
 
 
 class GuardError(RuntimeError):
@@ -41,14 +41,6 @@ class GuardError(RuntimeError):
 
 
 # ---- pure functions: signals and rules -------------------------------------------------------------------------------
-
-def zero_variance_share(rewards: Sequence[float], group_ids: Sequence[str]) -> float:
-    """Share of groups whose rewards are all equal: GRPO gives every member advantage 0, so they teach nothing."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for reward, group in zip(rewards, group_ids, strict=True):
-        groups[group].append(reward)
-    return sum(max(g) == min(g) for g in groups.values()) / max(1, len(groups))
-
 
 def reward_trend(recent: Sequence[float], peak: float | None) -> tuple[float, float]:
     """(smoothed, peak): the mean of the `recent` rewards (the trailing window) and the running peak of that mean."""
@@ -97,17 +89,20 @@ def bounds_rule(name: str, value: float | None, low: float | None = None, high: 
 
 def collapse_rules(metrics: dict[str, float], iteration: int, cfg: GuardSection) -> dict[str, str]:
     """The rules that fire on one iteration's metrics (and the guard's reward_smoothed, reward_peak): rule -> why."""
+
+    def bounds(key: str, low: float | None = None, high: float | None = None) -> str | None:
+        return bounds_rule(key, metrics.get(key), low, high)
+
     fired = {
         "nonfinite": nonfinite_rule(metrics),
-        "reward_collapse": reward_collapse_rule(metrics["reward_smoothed"], metrics["reward_peak"], iteration, cfg)
-        if "reward_smoothed" in metrics else None,
-        "entropy": bounds_rule("entropy", metrics.get("entropy"), cfg.entropy_min, cfg.entropy_max),
-        "entropy_rise": entropy_rise_rule(metrics["entropy_smoothed"], metrics["entropy_start"], iteration, cfg)
-        if "entropy_smoothed" in metrics else None,
-        "kl": bounds_rule("kl", metrics.get("kl"), high=cfg.kl_max),
-        "clip_fraction": bounds_rule("clip_fraction", metrics.get("clip_fraction"), high=cfg.clip_fraction_max),
-        "zero_variance_groups": bounds_rule("zero_variance_groups", metrics.get("zero_variance_groups"),
-                                            high=cfg.zero_variance_max),
+        "reward_collapse": reward_collapse_rule(metrics["guard/reward_smoothed"], metrics["guard/reward_peak"],
+                                                iteration, cfg) if "guard/reward_smoothed" in metrics else None,
+        "entropy": bounds("loss/entropy", cfg.entropy_min, cfg.entropy_max),
+        "entropy_rise": entropy_rise_rule(metrics["guard/entropy_smoothed"], metrics["guard/entropy_start"],
+                                          iteration, cfg) if "guard/entropy_smoothed" in metrics else None,
+        "kl": bounds("kl/anchor", high=cfg.kl_max),
+        "clip_fraction": bounds("loss/clip_fraction", high=cfg.clip_fraction_max),
+        "zero_variance_groups": bounds("rollout/zero_variance_groups", high=cfg.zero_variance_max),
     }
     return {rule: why for rule, why in fired.items() if why is not None}
 
@@ -173,25 +168,29 @@ class Guard:
         self.lr_scale = 1.0
 
     def observe(self, iteration: int, metrics: dict[str, float]) -> dict[str, str]:
-        """Add the reward trend to `metrics` (in place) and return the collapse rules that fire (name -> why).
-        Skipped steps are recorded as an event of their own (the learner already kept them off the weights)."""
+        """Add the guard's signals to `metrics` (in place, under `guard/`) and return the collapse rules that fire
+        (name -> why). Skipped steps are recorded as an event of their own (the learner already kept them off the
+        weights)."""
         if not self.cfg.enabled:
             return {}
-        if math.isfinite(metrics["reward"]):
-            self.recent_rewards = [*self.recent_rewards, metrics["reward"]][-self.cfg.reward_window :]
+        signals: dict[str, float] = {}
+        reward = metrics["rollout/reward"]
+        if math.isfinite(reward):
+            self.recent_rewards = [*self.recent_rewards, reward][-self.cfg.reward_window :]
         if self.recent_rewards:
-            metrics["reward_smoothed"], self.reward_peak = reward_trend(self.recent_rewards, self.reward_peak)
-            metrics["reward_peak"] = self.reward_peak
-        entropy = metrics.get("entropy")  # absent when no optimizer step was taken
+            signals["guard/reward_smoothed"], self.reward_peak = reward_trend(self.recent_rewards, self.reward_peak)
+            signals["guard/reward_peak"] = self.reward_peak
+        entropy = metrics.get("loss/entropy")  # absent when no optimizer step was taken
         if entropy is not None and math.isfinite(entropy):
             self.entropy_start = entropy if self.entropy_start is None else self.entropy_start
             self.recent_entropies = [*self.recent_entropies, entropy][-self.cfg.reward_window :]
-            metrics["entropy_smoothed"] = sum(self.recent_entropies) / len(self.recent_entropies)
-            metrics["entropy_start"] = self.entropy_start
-        metrics["guard_rollbacks"] = self.rollbacks
-        if metrics.get("guard_skipped_steps"):
+            signals["guard/entropy_smoothed"] = sum(self.recent_entropies) / len(self.recent_entropies)
+            signals["guard/entropy_start"] = self.entropy_start
+        signals["guard/rollbacks"] = self.rollbacks
+        metrics.update(merge_metrics(metrics, signals))  # the guard's keys are its own: a clash is an error
+        if skipped := metrics.get("guard/skipped_steps"):
             self.record(GuardEvent(iteration, "skipped_steps", {
-                "nonfinite_step": f"{metrics['guard_skipped_steps']:.0f} optimizer step(s) skipped"}))
+                "nonfinite_step": f"{skipped:.0f} optimizer step(s) skipped"}))
         return collapse_rules(metrics, iteration, self.cfg)
 
     def action(self, have_checkpoint: bool) -> str:

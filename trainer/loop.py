@@ -9,8 +9,8 @@ Per iteration:
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
     5. the guard (trainer.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
        checkpoint at a lower learning rate (guard.rollback)
-    6. log (JSONL + TensorBoard, and W&B when `logging.wandb.mode` is not disabled), checkpoint every
-       `checkpoint.every` iterations (not one that was rolled back)
+    6. log, under namespaced keys (docs/metrics.md), to JSONL + TensorBoard, and W&B when `logging.wandb.mode` is
+       not disabled; checkpoint every `checkpoint.every` iterations (not one that was rolled back)
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from agent.backend import SamplingParams
+from agent.diagnostics import repeated_search_rates
 from agent.seeds import rollout_seed
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
 from trainer.batch import collate
-from trainer.bookkeeping import PromptSampler, RunLogger
+from trainer.bookkeeping import PromptSampler, RunLogger, merge_metrics, namespaced
 from trainer.checkpoint import (
     Checkpoint,
     check_compatible,
@@ -37,8 +38,9 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.config import TrainConfig
+from trainer.diagnostics import zero_variance_share
 from trainer.engine import Engine
-from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate, zero_variance_share
+from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate
 from trainer.registry import ADVANTAGE_ESTIMATORS
 from trainer.reward import Score, reward
 
@@ -49,17 +51,20 @@ def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, f
     n = len(trajs)
     total_turns = sum(len(t.turns) for t in trajs)
     mask_tokens = sum(len(t.loss_mask) for t in trajs)
+    repeated_rate, with_repeats = repeated_search_rates(trajs)
     return {
-        "reward": sum(s.reward for s in scores) / n,
-        "em": sum(s.em for s in scores) / n,
-        "format": sum(s.format for s in scores) / n,
-        "response_tokens": sum(t.model_tokens for t in trajs) / n,
-        "observation_tokens": sum(t.observation_tokens for t in trajs) / n,
-        "searches": sum(t.num_searches for t in trajs) / n,
-        "turns": total_turns / n,
-        "invalid_action_rate": sum(t.num_invalid for t in trajs) / max(1, total_turns),
-        "loss_mask_coverage": sum(t.model_tokens for t in trajs) / max(1, mask_tokens),
-        "zero_variance_groups": zero_variance_share([s.reward for s in scores], [t.group_id for t in trajs]),
+        "rollout/reward": sum(s.reward for s in scores) / n,
+        "rollout/em": sum(s.em for s in scores) / n,
+        "rollout/format": sum(s.format for s in scores) / n,
+        "rollout/response_tokens": sum(t.model_tokens for t in trajs) / n,
+        "rollout/observation_tokens": sum(t.observation_tokens for t in trajs) / n,
+        "rollout/searches": sum(t.num_searches for t in trajs) / n,
+        "rollout/turns": total_turns / n,
+        "rollout/invalid_action_rate": sum(t.num_invalid for t in trajs) / max(1, total_turns),
+        "rollout/loss_mask_coverage": sum(t.model_tokens for t in trajs) / max(1, mask_tokens),
+        "rollout/zero_variance_groups": zero_variance_share([s.reward for s in scores], [t.group_id for t in trajs]),
+        "rollout/repeated_search_rate": repeated_rate,
+        "rollout/trajectories_with_repeated_search": with_repeats,
     }
 
 
@@ -121,13 +126,13 @@ class Trainer:
         self.iteration += 1
         start = time.perf_counter()
         self.engine.sync_weights()
-        timings = {"time_weight_sync_s": time.perf_counter() - start}
+        timings = {"time/weight_sync_s": time.perf_counter() - start}
         start = time.perf_counter()
         examples = self.sampler.next(t.prompts_per_iteration)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens_per_turn, seed=rollout_seed(cfg.seed, self.iteration))
         trajs, rollout_stats = self.engine.rollout(examples, params, t.rollouts_per_prompt)
-        timings["time_rollout_s"] = time.perf_counter() - start
+        timings["time/rollout_s"] = time.perf_counter() - start
 
         scores = [self.reward_fn(traj) for traj in trajs]
         if not all(isinstance(s, Score) for s in scores):
@@ -138,8 +143,9 @@ class Trainer:
                                          normalize_std=t.normalize_adv_std)
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
-        # rollout_retrieval_wait_s is part of time_rollout_s (time_* are the iteration's phases)
-        return {**rollout_metrics(trajs, scores), **stats, **timings, **rollout_stats}
+        # The engine's stats come under flat names (trainer.bookkeeping.FLAT_NAMES); rollout/retrieval_wait_s is part
+        # of time/rollout_s (time/ are the iteration's phases).
+        return merge_metrics(rollout_metrics(trajs, scores), namespaced(stats), timings, namespaced(rollout_stats))
 
     def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
         """Train to iteration `until` (default: the configured total), so a caller can pause to evaluate."""

@@ -66,8 +66,8 @@ class SFTTrainer:
         self.scheduler.step()
         self.policy.eval()
         self.step_count += 1
-        return {"sft_loss": loss_total, "grad_norm": grad_norm, "lr": lr,
-                "model_tokens": float(batch.loss_mask.sum()), "time_step_s": time.perf_counter() - start}
+        return {"loss/sft": loss_total, "loss/grad_norm": grad_norm, "loss/lr": lr,
+                "loss/model_tokens": float(batch.loss_mask.sum()), "time/step_s": time.perf_counter() - start}
 
     def state(self) -> Checkpoint:
         weights = self.policy.state_dict()
