@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from agent.backend import SamplingParams
+from agent.diagnostics import repeated_search_rates
 from agent.rollout import Mode, RolloutAgent
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
@@ -49,6 +50,7 @@ def score(
         invalid_action_rate=sum(t.num_invalid for t in trajectories) / max(1, sum(turns)),
         mean_response_tokens=mean([t.model_tokens for t in trajectories]),
         seconds=seconds,
+        repeated_search_rate=repeated_search_rates(trajectories)[0],
     )
 
 

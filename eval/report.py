@@ -33,6 +33,9 @@ class DatasetResult:
     invalid_action_rate: float  # invalid turns / all turns
     mean_response_tokens: float  # model tokens only
     seconds: float  # wall time of the run that held it: a mode's datasets run pooled, so they share one
+    # repeated searches / all searches (agent/diagnostics.py: an earlier search's query or documents again); 0.0 in
+    # reports from before it was measured
+    repeated_search_rate: float = 0.0
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -63,14 +66,14 @@ class EvalReport:
             f"model: `{self.model}`; questions: {self.subset}; wall time {self.seconds / 60:.1f} min",
             "",
             "| dataset | mode | n | EM | EM 95% CI | cover-EM | F1 | answered | valid format | gold in text | searches "
-            "| turns | invalid | tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| repeated searches | turns | invalid | tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.results:
             lines.append(
                 f"| {r.dataset} | {r.mode} | {r.n} | {r.em:.3f} | {r.em_ci95[0]:.3f}-{r.em_ci95[1]:.3f} | "
                 f"{r.cover_em:.3f} | {r.f1:.3f} | {r.answered:.2f} | {r.well_formed:.2f} | {r.text_cover_em:.2f} | {r.mean_searches:.2f} | "
-                f"{r.mean_turns:.2f} | "
+                f"{r.repeated_search_rate:.2f} | {r.mean_turns:.2f} | "
                 f"{r.invalid_action_rate:.2f} | {r.mean_response_tokens:.0f} |"
             )
         lines += ["", "| mode | average EM over datasets |", "|---|---|"]

@@ -119,7 +119,7 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         # The loop itself: rollouts on the workers, learning on the ranks, sync, logs.
         history = Trainer(cfg, engine, tokenizer, examples, reward_fn=parity_reward).run()
         assert [len(h) > 0 for h in history] == [True, True]
-        assert all(m["sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
+        assert all(m["loss/sampler_trainer_logprob_gap_max"] < 1e-3 for m in history), history
         assert (cfg.run_dir / "metrics.jsonl").read_text().count("\n") == 2
         assert (cfg.run_dir / "checkpoints").is_dir()  # saved at the last iteration from rank 0's state
     finally:

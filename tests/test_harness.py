@@ -39,6 +39,10 @@ def test_score_counts_what_it_says():
     assert r.invalid_action_rate == 3 / 8
     assert r.mean_response_tokens == 15.0
     assert r.em_ci95 == wilson_interval(1, 4)
+    assert r.repeated_search_rate == 0.0  # one search: nothing earlier to repeat
+    trajectories[0].turns[:1] = [Turn("search", 0, 1, "stop", query=q, doc_ids=["7"]) for q in ("a", "b", "A")]
+    again = score(trajectories, "nq", "agent", seconds=1.0, model_texts=texts)
+    assert again.repeated_search_rate == 2 / 3  # "b" the same documents as "a", "A" the same query
 
 
 def test_wilson_interval():
