@@ -73,7 +73,7 @@ def index(
     from retriever.encoder import resolve_backend, resolve_dtype
 
     try:
-        encoder_backend = resolve_backend(encoder_backend, device)
+        encoder_backend = resolve_backend(encoder_backend, device, dtype)
     except ValueError as e:
         _fail(f"--encoder-backend: {e}")
     try:

@@ -1,10 +1,13 @@
 """Cross-request batching and a result cache in front of an index.
 
 Rollout workers send many small /retrieve requests at once. Encoding each alone wastes the encoder: a batch of
-256 queries costs little more than one. So concurrent requests are queued, collected for up to `max_wait_ms` or
-until `max_batch_queries` are waiting, deduplicated, encoded and searched in one call on a worker thread (the
-event loop never blocks), and each caller gets its own slice. GRPO groups repeat the same query, so results are
-also kept in an LRU cache keyed by the exact query string.
+256 queries costs little more than one. So concurrent requests are queued; whenever the encoder is free, every
+waiting request (up to `max_batch_queries` queries) is taken at once, deduplicated, encoded and searched in one
+call on a worker thread (the event loop never blocks), and each caller gets its own slice. While that batch
+encodes, the next one collects in the queue, so the encoder never waits between batches, and a lone request goes
+straight to it: by default there is no timed window (`max_wait_ms` 0; a window only delayed every batch, and under
+load the queue fills during the previous encode anyway). GRPO groups repeat the same query, so results are also
+kept in an LRU cache keyed by the exact query string.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class BatchingSearcher:
         *,
         batching: bool = True,
         max_batch_queries: int = 256,
-        max_wait_ms: float = 2.0,
+        max_wait_ms: float = 0.0,
         cache_size: int = 100_000,
         search_threads: int = 1,
         metrics: RetrieverMetrics | None = None,
@@ -121,7 +124,8 @@ class BatchingSearcher:
         return results
 
     async def _collect(self) -> list[_Pending]:
-        """The first waiting request, then whatever arrives within max_wait or until the batch is full."""
+        """The first waiting request, then every other one already queued, and whatever arrives within max_wait,
+        until the batch is full. Queued requests are taken without yielding to the event loop."""
         batch = [await self._queue.get()]
         size = len(batch[0].queries)
         deadline = asyncio.get_running_loop().time() + self.max_wait_s

@@ -79,12 +79,14 @@ def build_dense_index(
     overwrite: bool = False,
     device: str = "cpu",
     dtype: Literal["float32", "bfloat16"] = "float32",
+    backend: str = "auto",
     seed: int = 0,
 ) -> Manifest:
     """Encode every passage of `corpus` and write an index folder at `out`. bfloat16 encodes ~2x faster on CPUs
-    with AVX512-BF16/AMX (passage cosine to fp32 >= 0.998 with MiniLM; recall in docs/benchmarks.md)."""
+    with AVX512-BF16/AMX (passage cosine to fp32 >= 0.998 with MiniLM; recall in docs/benchmarks.md); `backend`
+    (retriever/encoder.py BACKENDS, or auto) is what runs the encoder, recorded in the manifest."""
     out = Path(out)
-    enc = Encoder(resolve_encoder(encoder), device=device, dtype=dtype)
+    enc = Encoder(resolve_encoder(encoder), device=device, dtype=dtype, backend=backend)
     index = new_faiss_index(enc.dim, factory)  # fail on a bad factory string before any encoding
     tmp = building_folder(out, overwrite)
     corpus_manifest, docstore = add_corpus(tmp, corpus, copy_corpus)
@@ -128,6 +130,7 @@ class DenseIndex:
         encoder: str | None = None,
         device: str = "cpu",
         query_dtype: Literal["float32", "bfloat16"] = "float32",
+        query_backend: str = "auto",
         gpu: bool = False,
         search_params: str | None = None,
     ) -> DenseIndex:
@@ -138,7 +141,8 @@ class DenseIndex:
             requested = resolve_encoder(encoder)
             check_requested_encoder(manifest.encoder, requested)
             spec = requested
-        enc = Encoder(spec, device=device, dtype=query_dtype)
+        # Any backend of the index's model may encode the queries (the probe check refuses one that drifts).
+        enc = Encoder(spec, device=device, dtype=query_dtype, backend=query_backend)
         check_loaded_encoder(manifest.encoder, enc)
         try:
             index = faiss.read_index(str(Path(folder) / FAISS_FILE))

@@ -65,23 +65,52 @@ def native_bf16(device: str = "cpu") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: str = "cpu") -> Literal["float32", "bfloat16"]:
-    """"auto": bfloat16 where it is native (about 2x faster passage encoding, recall@10 0.99 against fp32 on the
-    packaged corpus, docs/benchmarks.md), else float32."""
+def resolve_dtype(dtype: str, device: str = "cpu", backend: str = "torch") -> Literal["float32", "bfloat16"]:
+    """"auto": bfloat16 for the torch backend where it is native (about 2x faster passage encoding, recall@10 0.99
+    against fp32 on the packaged corpus, docs/benchmarks.md), else float32 (the onnx backends' only float dtype)."""
     if dtype == "auto":
-        return "bfloat16" if native_bf16(device) else "float32"
+        return "bfloat16" if backend == "torch" and native_bf16(device) else "float32"
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
     return dtype  # type: ignore[return-value]
 
 
+# torch: sentence-transformers on PyTorch (fp32 or bf16, CPU or GPU). onnx / onnx-int8: the same model exported to
+# ONNX Runtime, fp32 or with int8 weights (CPU only; retriever/onnx_encoder.py).
+BACKENDS = ("torch", "onnx", "onnx-int8")
+# "auto" on a CPU: the fastest backend whose retrieval matches fp32 torch (top-3 identical for >= 98% of 10k
+# questions, recall@10 >= 0.99), as measured by benchmarks/retriever_encoders.py (docs/benchmarks.md).
+CPU_DEFAULT_BACKEND = "onnx"
+
+
+def resolve_backend(backend: str, device: str = "cpu", dtype: str = "float32") -> str:
+    """"auto": torch on a GPU or when bfloat16 is asked for, else CPU_DEFAULT_BACKEND; else one of BACKENDS, checked
+    against the device and dtype (float32, bfloat16 or auto)."""
+    if backend == "auto":
+        return "torch" if device.startswith("cuda") or dtype == "bfloat16" else CPU_DEFAULT_BACKEND
+    if backend not in BACKENDS:
+        raise ValueError(f"encoder backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "torch" and device != "cpu":
+        raise ValueError(f"encoder backend {backend!r} runs on the CPU only; use --encoder-backend torch on {device}")
+    if backend != "torch" and dtype == "bfloat16":
+        raise ValueError(f"dtype {dtype!r} is a torch option; encoder backend {backend!r} takes float32")
+    return backend
+
+
 class Encoder:
     """A loaded sentence-transformers model. Outputs float32, L2-normalised rows (inner product = cosine)."""
 
-    def __init__(self, spec: EncoderSpec, device: str = "cpu", dtype: Literal["float32", "bfloat16"] = "float32"):
+    def __init__(
+        self,
+        spec: EncoderSpec,
+        device: str = "cpu",
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        backend: str = "torch",
+    ):
         from sentence_transformers import SentenceTransformer
 
         self.spec = spec
+        self.backend = resolve_backend(backend, device, dtype)
         self.dtype = dtype
         path = _load_path(spec.source)
         if not Path(path).exists() and "/" not in path:
@@ -93,8 +122,15 @@ class Encoder:
         self.dim = int(self.model.get_embedding_dimension())
         pooling = [m for m in self.model if hasattr(m, "pooling_mode")]
         self.pooling = str(pooling[0].pooling_mode) if pooling else "unknown"
+        self.onnx = None
+        if self.backend != "torch":
+            from retriever.onnx_encoder import OnnxEncoder
+
+            self.onnx = OnnxEncoder(self.model, path, int8=self.backend == "onnx-int8", dim=self.dim)
 
     def _encode(self, texts: list[str], prefix: str, batch_size: int, show_progress: bool) -> np.ndarray:
+        if self.onnx is not None:
+            return self.onnx.encode([prefix + t for t in texts], batch_size)
         # sentence-transformers sorts each call's texts by length and pads per batch, so a chunk of a corpus
         # is encoded without padding every batch to max_length (Search-R1's builder pads all to 256).
         with torch.inference_mode():

@@ -42,6 +42,7 @@ def load_index(
     encoder: str | None = None,
     device: str = "cpu",
     query_dtype: Literal["float32", "bfloat16"] = "float32",
+    query_backend: str = "auto",
     gpu: bool = False,
     search_params: str | None = None,
     verify_checksum: bool = False,
@@ -59,6 +60,6 @@ def load_index(
     from retriever.dense import DenseIndex
 
     return DenseIndex.load(
-        folder, manifest, docstore, encoder=encoder, device=device, query_dtype=query_dtype, gpu=gpu,
-        search_params=search_params,
+        folder, manifest, docstore, encoder=encoder, device=device, query_dtype=query_dtype,
+        query_backend=query_backend, gpu=gpu, search_params=search_params,
     )

@@ -14,7 +14,7 @@ from retriever.encoder import Encoder, EncoderSpec
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-# bf16 query encoding moves the probe embedding by ~1e-3 in cosine; another model moves it by far more.
+# bf16 or int8 query encoding moves the probe embedding by ~1e-3 to 1e-2 in cosine; another model by far more.
 PROBE_MIN_COSINE = 0.98
 
 
@@ -28,6 +28,9 @@ class EncoderManifest(BaseModel):
     passage_prefix: str
     max_length: int
     passage_dtype: str = "float32"
+    # The backend that encoded the passages (retriever/encoder.py BACKENDS); manifests from before it were torch's.
+    # Queries may be encoded by another backend of the same model: the probe check below is what must hold.
+    passage_backend: str = "torch"
     probe_embedding: list[float]
 
 
@@ -81,6 +84,7 @@ def encoder_manifest(encoder: Encoder) -> EncoderManifest:
         dim=encoder.dim,
         pooling=encoder.pooling,
         passage_dtype=encoder.dtype,
+        passage_backend=encoder.backend,
         probe_embedding=encoder.probe_embedding(),
     )
 

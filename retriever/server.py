@@ -58,11 +58,12 @@ class ServerSettings(BaseModel):
     max_query_chars: int = MAX_QUERY_CHARS
     batching: bool = True
     max_batch_queries: int = 256
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0
     cache_size: int = 100_000
     search_threads: int = 1
     device: str = "cpu"
     query_dtype: Literal["float32", "bfloat16"] = "float32"
+    encoder_backend: str = "auto"  # retriever/encoder.py BACKENDS; auto: the measured CPU default, torch on a GPU
     gpu_index: bool = False
     search_params: str | None = None
     workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
@@ -212,6 +213,7 @@ def app_from_settings(settings: ServerSettings) -> FastAPI:
         encoder=settings.encoder,
         device=settings.device,
         query_dtype=settings.query_dtype,
+        query_backend=settings.encoder_backend,
         gpu=settings.gpu_index,
         search_params=settings.search_params,
     )

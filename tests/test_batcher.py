@@ -113,3 +113,37 @@ def test_cache_never_returns_another_querys_hits(operations, capacity):
         else:
             assert got == fake.hits_for(query, k)
         assert len(cache) <= capacity
+
+
+def test_a_lone_request_goes_straight_to_the_encoder_and_requests_arriving_meanwhile_form_the_next_batch():
+    fake = FakeIndex(delay_s=0.3)
+
+    async def main():
+        searcher = BatchingSearcher(fake.search, cache_size=0)  # the default: no batching window
+        await searcher.start()
+        first = asyncio.create_task(searcher.search(["alone"], 1))
+        while not fake.calls:  # dispatched without waiting for company
+            await asyncio.sleep(0.01)
+        later = [asyncio.create_task(searcher.search([f"q{i}"], 1)) for i in range(3)]
+        await asyncio.gather(first, *later)
+        await searcher.stop()
+
+    run(main())
+    assert [queries for queries, _ in fake.calls] == [["alone"], ["q0", "q1", "q2"]]
+
+
+def test_max_batch_queries_splits_what_is_queued_across_batches():
+    fake = FakeIndex(delay_s=0.2)
+
+    async def main():
+        searcher = BatchingSearcher(fake.search, cache_size=0, max_batch_queries=4)
+        await searcher.start()
+        first = asyncio.create_task(searcher.search(["alone"], 1))
+        while not fake.calls:
+            await asyncio.sleep(0.01)
+        later = [asyncio.create_task(searcher.search([f"q{i}", f"r{i}"], 1)) for i in range(3)]
+        await asyncio.gather(first, *later)
+        await searcher.stop()
+
+    run(main())
+    assert [len(queries) for queries, _ in fake.calls] == [1, 4, 2]

@@ -1,0 +1,106 @@
+"""The encoder backends: torch, and the packaged MiniLM exported to ONNX Runtime in fp32 and int8."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from retriever import encoder as encoder_module
+from retriever.encoder import CPU_DEFAULT_BACKEND, Encoder, resolve_backend, resolve_dtype, resolve_encoder
+from retriever.index import load_index
+from retriever.manifest import Manifest
+from retriever.onnx_encoder import cache_folder
+
+TEXTS = [
+    "who wrote pride and prejudice?",
+    "x",
+    "  leading and trailing spaces  ",
+    "a long passage " * 200,  # past max_length: truncated the same way by both backends
+]
+
+
+def test_auto_backend_is_the_measured_cpu_default_and_torch_on_a_gpu():
+    assert resolve_backend("auto", "cpu") == CPU_DEFAULT_BACKEND
+    assert resolve_backend("auto", "cuda") == "torch"
+    assert resolve_backend("auto", "cpu", "bfloat16") == "torch"  # bf16 is a torch option
+    assert resolve_backend("onnx-int8") == "onnx-int8"
+
+
+def test_bad_backends_are_refused_by_name():
+    with pytest.raises(ValueError, match="encoder backend must be auto or one of torch, onnx, onnx-int8, got 'tensorrt'"):
+        resolve_backend("tensorrt")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        resolve_backend("onnx", "cuda")
+
+
+def test_auto_dtype_is_float32_for_the_onnx_backends(monkeypatch):
+    monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu": True)
+    assert resolve_dtype("auto", backend="torch") == "bfloat16"
+    assert resolve_dtype("auto", backend="onnx") == "float32"
+
+
+def test_bf16_is_refused_for_an_onnx_backend():
+    with pytest.raises(ValueError, match="dtype 'bfloat16' is a torch option"):
+        resolve_backend("onnx", "cpu", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def torch_encoder():
+    return Encoder(resolve_encoder("minilm"), backend="torch")
+
+
+@pytest.mark.slow
+def test_onnx_fp32_matches_torch_and_exports_offline(torch_encoder, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    onnx = Encoder(resolve_encoder("minilm"), backend="onnx")
+    assert (onnx.dim, onnx.pooling) == (torch_encoder.dim, torch_encoder.pooling)
+    got, want = onnx.encode_queries(TEXTS, batch_size=3), torch_encoder.encode_queries(TEXTS)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_onnx_int8_stays_close_to_torch_and_is_cached_beside_the_model(torch_encoder):
+    int8 = Encoder(resolve_encoder("minilm"), backend="onnx-int8")
+    assert int8.onnx.path.parent == cache_folder(encoder_module._load_path(encoder_module.PACKAGED_MINILM))
+    assert int8.onnx.path.name.endswith("int8.onnx")
+    cosine = (int8.encode_passages(TEXTS) * torch_encoder.encode_passages(TEXTS)).sum(axis=1)
+    assert cosine.min() > 0.97, cosine
+    mtime = int8.onnx.path.stat().st_mtime_ns
+    again = Encoder(resolve_encoder("minilm"), backend="onnx-int8")
+    assert again.onnx.path == int8.onnx.path and again.onnx.path.stat().st_mtime_ns == mtime  # not re-exported
+
+
+def test_a_read_only_model_folder_caches_under_the_user_cache(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert cache_folder(str(model_dir)) == model_dir / "onnx"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if os.geteuid() != 0:  # root may write anywhere: only the hub-id case can be checked then
+        model_dir.chmod(0o500)
+        assert cache_folder(str(model_dir)).parent == tmp_path / "cache" / "emapg" / "onnx"
+    assert cache_folder("intfloat/e5-base-v2").parent == tmp_path / "cache" / "emapg" / "onnx"
+
+
+@pytest.mark.slow
+def test_manifest_records_the_passage_backend_and_any_backend_may_encode_queries(dense_index_dir):
+    manifest = Manifest.read(dense_index_dir)
+    assert manifest.encoder.passage_backend == CPU_DEFAULT_BACKEND
+    questions = ["who wrote pride and prejudice", "famous english novelist"]
+    by_backend = {b: load_index(dense_index_dir, query_backend=b).search(questions, 3) for b in ("torch", "onnx")}
+    assert [[h.id for h in hits] for hits in by_backend["torch"]] == [[h.id for h in hits] for hits in by_backend["onnx"]]
+
+
+@pytest.mark.slow
+def test_an_index_from_before_backends_loads_as_torch_and_serves(dense_index_dir, tmp_path):
+    from conftest import copy_index
+
+    folder = copy_index(dense_index_dir, tmp_path / "old")
+    raw = json.loads((folder / "manifest.json").read_text())
+    del raw["encoder"]["passage_backend"]
+    (folder / "manifest.json").write_text(json.dumps(raw))
+    assert Manifest.read(folder).encoder.passage_backend == "torch"
+    hits = load_index(folder).search(["who wrote pride and prejudice"], 1)
+    assert hits[0][0].contents.startswith('"Pride and Prejudice"')
