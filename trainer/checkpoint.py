@@ -1,8 +1,10 @@
 """Checkpoints: policy, EMA anchor, optimizer, scheduler, RNG states, data cursor, iteration, config.
 
-A checkpoint is a folder `iter-NNNNNN/` written under a temp name and renamed when complete. Its
-`manifest.json` (written last) lists every file with its size and sha256; loading verifies them all, so a
-truncated or edited checkpoint is refused instead of silently resuming from garbage. Weights are safetensors;
+A checkpoint is a folder `iter-NNNNNN/` written under a hidden temp name (`.iter-NNNNNN.tmp`), every file and
+the folder flushed to disk (fsync), and renamed when complete: a process killed while saving (SIGTERM, SIGKILL,
+a full disk) leaves at most a hidden folder that `latest_checkpoint` never returns and the next save removes, and
+the previous checkpoint intact. Its `manifest.json` (written last) lists every file with its size and sha256;
+loading verifies them all, so a truncated or edited checkpoint is refused instead of silently resuming from garbage. Weights are safetensors;
 optimizer/scheduler/RNG state (nested Python objects) go through `torch.save`, loaded with `weights_only=True`.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
@@ -73,12 +77,25 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
 
-def save_checkpoint(ckpt: Checkpoint, run_dir: Path, keep: int = 2) -> Path:
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"iter-{ckpt.iteration:06d}"
-    tmp = root / f".iter-{ckpt.iteration:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') bytes to disk: a rename is only as durable as what it names."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(folder: Path) -> None:
+    """Remove a checkpoint folder: hidden first (one atomic rename), then deleted, so that a kill mid-deletion leaves
+    no half-deleted `iter-*` folder for `latest_checkpoint` to pick."""
+    trash = folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(trash, ignore_errors=True)
+    folder.rename(trash)
+    shutil.rmtree(trash)
+
+
+def _write_files(ckpt: Checkpoint, tmp: Path) -> None:
     save_file(_contiguous(ckpt.policy), str(tmp / "policy.safetensors"))
     save_file(_contiguous(ckpt.anchor), str(tmp / "anchor.safetensors"))
     torch.save(
@@ -98,11 +115,32 @@ def save_checkpoint(ckpt: Checkpoint, run_dir: Path, keep: int = 2) -> Path:
         "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
+    for name in [*files, MANIFEST]:
+        _fsync(tmp / name)
+    _fsync(tmp)
+
+
+def save_checkpoint(ckpt: Checkpoint, run_dir: Path, keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"iter-{ckpt.iteration:06d}"
+    tmp = root / f".iter-{ckpt.iteration:06d}.tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob(".iter-*"):  # what an interrupted save or deletion left behind
+        shutil.rmtree(leftover)
+    try:
+        tmp.mkdir()
+        _write_files(ckpt, tmp)
+    # A full disk (ENOSPC), a quota, a read-only folder: nothing half-written stays. safetensors reports I/O errors
+    # as its own SafetensorError ("I/O error: No space left on device"), not as OSError.
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final}: {e}; the previous checkpoints are untouched") from e
+    if final.exists():  # the same iteration saved again (after a rollback)
+        _discard(final)
     tmp.rename(final)
+    _fsync(root)
     for old in sorted(root.glob("iter-*"))[:-keep]:
-        shutil.rmtree(old)
+        _discard(old)
     return final
 
 
