@@ -211,7 +211,7 @@ def test_chunked_logprobs_give_the_full_logits_losses_and_gradients(tiny_model, 
                     (unchunked_batch.old_logprobs, unchunked_batch.ref_token_logprob,
                      unchunked_batch.ref_topk_logprobs), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert torch.equal(batch.topk_ids, unchunked_batch.topk_ids)
+    assert batch.topk_ids is unchunked_batch.topk_ids is None or torch.equal(batch.topk_ids, unchunked_batch.topk_ids)
     for key in ("loss", "policy_loss", "entropy", *(("kl",) if estimator != "none" else ())):
         assert chunked[key] == pytest.approx(unchunked[key], rel=1e-5, abs=1e-6), key
 
@@ -332,3 +332,149 @@ def test_shared_prefix_passes_give_the_whole_rows_values_and_gradient(tiny_model
     assert whole_update == whole_rows
     assert shared_prepare < whole_prepare
     assert shared_update == shared_whole_rows if checkpointing else shared_update < shared_whole_rows
+
+
+PASS_ESTIMATORS = [("topk", "reverse", 1, "policy"), ("topk", "forward", 1, "anchor"),
+                   ("topk_released", "reverse", 1, "policy"), ("exact", "reverse", 0, None),
+                   *((kind, "reverse", 1, None) for kind in ("k1", "k2", "k3", "k3pp", "k4", "k5", "k3_clamped")),
+                   ("none", "reverse", 0, None)]
+
+
+@pytest.mark.parametrize(("estimator", "direction", "anchor_passes", "topk_of"), PASS_ESTIMATORS)
+def test_prepare_runs_only_the_passes_its_estimator_reads(tiny_model, tokenizer, monkeypatch, estimator, direction,
+                                                          anchor_passes, topk_of):
+    """Per micro-batch: one policy pass, one anchor pass only where the estimator reads the anchor in prepare (not
+    the exact KL, whose update pass reads it, nor with the KL off), and Top-k only for the Top-k estimators; the
+    PreparedBatch holds nothing else. Counted by forward hooks on each decoder and a spy on the LM-head statistics."""
+    import trainer.batch
+
+    model = copy.deepcopy(tiny_model)
+    learner = make_learner(model, 2, "token-mean", estimator, f"kl.direction={direction}", "train.share_prefix=false")
+    passes, topk_requests = [], []
+    model.get_decoder().register_forward_hook(lambda *_: passes.append("policy"))
+    learner.anchor_logits.model.get_decoder().register_forward_hook(lambda *_: passes.append("anchor"))
+    token_logprobs = trainer.batch.token_logprobs
+
+    def spy(hidden, head, ids, **options):
+        if options.get("topk") is not None:
+            topk_requests.append("policy" if head is model.get_output_embeddings() else "anchor")
+        return token_logprobs(hidden, head, ids, **options)
+
+    monkeypatch.setattr(trainer.batch, "token_logprobs", spy)
+    batch = learner.prepare(collate(ragged_trajectories(len(tokenizer)), torch.zeros(6), tokenizer.pad_token_id))
+    micro = 3  # 6 rows, 2 per micro-batch
+    assert passes.count("policy") == micro and passes.count("anchor") == anchor_passes * micro
+    assert topk_requests == ([topk_of] * micro if topk_of else [])
+    assert (batch.topk_ids is None) == (batch.ref_topk_logprobs is None) == (topk_of is None)
+    assert (batch.ref_token_logprob is None) == (anchor_passes == 0)
+    learner.update(batch, torch.Generator().manual_seed(0))  # and the update runs on what prepare gathered
+
+
+# Stats of one update (make_learner: micro-batches of 2, beta 0.5, k = 4; lr 0) on the ragged batch, recorded from
+# the learner before issue 31 (de7d891: prepare always ran pi_old's top-k and the anchor) with this CPU's torch;
+# grad_sum is the sum of the gradient over every parameter.
+BEFORE_ISSUE_31 = {
+    "topk/reverse/true": {
+        "loss": 0.39471038927634566, "policy_loss": 0.3809523743887743, "kl": 0.027516055275641736,
+        "entropy": 10.789871987842378, "grad_norm": 3.030194044113159, "grad_sum": -3.488790273666382
+    },
+    "topk/forward/true": {
+        "loss": 0.4355875294478167, "policy_loss": 0.3809523743887743, "kl": 0.1092703470161983,
+        "entropy": 10.789871987842378, "grad_norm": 3.0332605838775635, "grad_sum": -3.625509262084961
+    },
+    "exact/reverse/true": {
+        "loss": 0.4332344296077888, "policy_loss": 0.3809523743887743, "kl": 0.10456411664684614,
+        "entropy": 10.789871987842378, "grad_norm": 3.0434634685516357, "grad_sum": -2.6353964805603027
+    },
+    "k1/reverse/true": {
+        "loss": 0.39467567985966096, "policy_loss": 0.3809523743887743, "kl": 0.02744663360395602,
+        "entropy": 10.789871987842378, "grad_norm": 3.448291063308716, "grad_sum": -0.15041017532348633
+    },
+    "k3/reverse/true": {
+        "loss": 0.41483775526285177, "policy_loss": 0.3809523743887743, "kl": 0.06777077327881541,
+        "entropy": 10.789871987842378, "grad_norm": 3.0332541465759277, "grad_sum": -3.625181198120117
+    },
+    "k3/reverse/false": {
+        "loss": 0.41483775526285177, "policy_loss": 0.3809523743887743, "kl": 0.06777077327881541,
+        "entropy": 10.789871987842378, "grad_norm": 3.0332541465759277, "grad_sum": -3.625181198120117
+    },
+    "none/reverse/true": {
+        "loss": 0.3809523743887743, "policy_loss": 0.3809523743887743, "entropy": 10.789871987842378,
+        "grad_norm": 3.0378880500793457, "grad_sum": -2.6893084049224854
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE_ISSUE_31))
+def test_the_same_losses_as_before_the_learner_read_only_what_its_estimator_reads(tiny_model, tokenizer, case):
+    estimator, direction, importance_weight = case.split("/")
+    model = copy.deepcopy(tiny_model)
+    torch.manual_seed(0)
+    learner = make_learner(model, 2, "token-mean", estimator, f"kl.direction={direction}",
+                           f"kl.importance_weight={importance_weight}")
+    batch = collate(ragged_trajectories(len(tokenizer)), torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                    tokenizer.pad_token_id)
+    stats = learner.update(learner.prepare(batch), torch.Generator().manual_seed(0))
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    now = {**{k: stats[k] for k in ("loss", "policy_loss", "kl", "entropy") if k in stats},
+           "grad_norm": float(grad.norm()), "grad_sum": float(grad.sum())}
+    assert now.keys() == BEFORE_ISSUE_31[case].keys()
+    for key, value in BEFORE_ISSUE_31[case].items():
+        assert now[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(("estimator", "entropy_coef"), [("k3", 0.0), ("topk", 0.1)])
+def test_kl_grad_share_is_the_kl_terms_gradient_norm_over_the_rests(tiny_model, tokenizer, estimator, entropy_coef):
+    """kl/grad_share against the two gradients taken apart with torch.autograd.grad from the whole logits (one
+    micro-batch: the whole batch); beta 0 gives 0 and the KL off gives no share."""
+    from trainer.advantages import broadcast_to_tokens
+    from trainer.kl import sampled_kl, topk_kl
+    from trainer.policy_loss import masked_mean, ppo_clip_loss
+
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    model = copy.deepcopy(tiny_model)
+    torch.manual_seed(0)
+    learner = make_learner(model, 6, "token-mean", estimator, f"train.entropy_coef={entropy_coef}",
+                           "train.share_prefix=false")  # one micro-batch (shared-prefix runs could split the rows)
+    batch = learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id))
+    share = learner.update(batch, torch.Generator().manual_seed(0))["kl/grad_share"]
+
+    reference = copy.deepcopy(tiny_model)
+    params = list(reference.parameters())
+    mask, ids = batch.loss_mask, batch.response_ids
+    logits = response_logits(reference, batch)
+    logprob = gather_logprobs(logits, ids[..., None])[..., 0]
+    pg, _ = ppo_clip_loss(logprob, batch.old_logprobs, broadcast_to_tokens(advantages, mask), mask)
+    logp = torch.log_softmax(logits, -1)
+    rest = pg - entropy_coef * masked_mean(-(logp.exp() * logp).sum(-1), mask)
+    if estimator == "k3":
+        kl = sampled_kl(logprob, batch.ref_token_logprob, "k3", old_logprob=batch.old_logprobs)
+    else:
+        kl = topk_kl(logits, batch.ref_topk_logprobs, batch.ref_token_logprob, batch.topk_ids, ids,
+                     direction="reverse", old_token_logprob=batch.old_logprobs)
+    kl_grad = torch.autograd.grad(0.5 * masked_mean(kl, mask), params, retain_graph=True)
+    rest_grad = torch.autograd.grad(rest, params)
+    expected = torch.cat([g.flatten() for g in kl_grad]).norm() / torch.cat([g.flatten() for g in rest_grad]).norm()
+    assert float(expected) > 1e-3 and share == pytest.approx(float(expected), rel=1e-3)
+
+    for override, value in (("kl.beta=0", 0.0), ("kl.estimator=none", None)):
+        learner = make_learner(copy.deepcopy(tiny_model), 6, "token-mean", estimator, override)
+        stats = learner.update(learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id)))
+        assert stats.get("kl/grad_share") == value
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k1", "topk"])
+def test_iw_clip_clamps_the_importance_weight_of_every_estimator_that_applies_one(tiny_model, tokenizer, estimator):
+    """At the first step pi_theta = pi_old, so s = 1 on every token: kl.iw_clip=0.5 halves the sampled estimators'
+    KL, and changes the Top-k estimator's (its tail only)."""
+    trajs = ragged_trajectories(len(tokenizer))
+    kls = {}
+    for clip in ("null", "0.5"):
+        learner = make_learner(copy.deepcopy(tiny_model), 2, "token-mean", estimator, f"kl.iw_clip={clip}")
+        batch = learner.prepare(collate(trajs, torch.zeros(6), tokenizer.pad_token_id))
+        kls[clip] = learner.update(batch, torch.Generator().manual_seed(0))["kl"]
+    if estimator == "topk":
+        assert kls["0.5"] != pytest.approx(kls["null"], rel=1e-4)
+    else:
+        assert kls["0.5"] == pytest.approx(0.5 * kls["null"], rel=1e-5)

@@ -1,10 +1,14 @@
 """Algorithms registered by name (trainer/registry.py): an estimator registered here, outside the trainer package, is
 usable from the config by name and gives the loss it defines; unknown names are config errors listing the
-registered ones."""
+registered ones; the names each module registers are the ones its registry declares (the config checks those without
+importing the module); kl.iw_clip is refused where no importance weight would be clamped."""
 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,10 +18,10 @@ from torch import Tensor
 from trainer.batch import collate, response_logits
 from trainer.config import ConfigError, load_config
 from trainer.kl import KLInputs, gather_logprobs
-from trainer.registry import KL_ESTIMATORS, register_kl_estimator
+from trainer.registry import KL_ESTIMATORS, KLReads, register_kl_estimator
 
 
-@register_kl_estimator("test-squared-log-ratio", reads="token")
+@register_kl_estimator("test-squared-log-ratio", KLReads("token", importance_weight=False))
 def squared_log_ratio(x: KLInputs) -> Tensor:
     """A KL estimator defined in a test module: (log pi_theta(p) - log pi_ref(p))^2 per token (twice k2)."""
     return (x.token_logprob.float() - x.ref_token_logprob.float().detach()).square()
@@ -52,7 +56,7 @@ def test_an_estimator_registered_in_a_test_module_is_usable_by_name(tiny_model, 
 
 
 @pytest.mark.parametrize(("override", "listed"), [
-    ("kl.estimator=k9", "registered: topk, exact, k1, k2, k3, k3pp, k4, k5"),
+    ("kl.estimator=k9", "registered: topk, exact, k1, k2, k3, k3pp, k4, k5, k3_clamped, topk_released"),
     ("train.aggregation=sum", "registered: token-mean, seq-mean-token-mean"),
     ("train.advantage=ppo-gae", "registered: grpo"),
 ])
@@ -67,5 +71,52 @@ def test_unknown_names_are_config_errors_listing_the_registered_ones(override, l
 
 def test_a_name_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
-        register_kl_estimator("k3", reads="token")(squared_log_ratio)
+        register_kl_estimator("k3", KLReads("token"))(squared_log_ratio)
     assert KL_ESTIMATORS.get("k3").fn is not squared_log_ratio
+
+
+def test_each_module_registers_exactly_the_names_its_registry_declares():
+    """In a fresh interpreter: the names declared before any algorithm module is imported, against what importing
+    trainer.kl, trainer.advantages and trainer.policy_loss registers (with the same KLReads: a mismatch fails the
+    registration itself)."""
+    code = (
+        "import importlib, json\n"
+        "from trainer import registry\n"
+        "tables = (registry.KL_ESTIMATORS, registry.ADVANTAGE_ESTIMATORS, registry.LOSS_AGGREGATIONS)\n"
+        "declared = [list(t.names()) for t in tables]\n"
+        "for t in tables:\n"
+        "    importlib.import_module(t.defined_in)\n"
+        "print(json.dumps([declared, [list(t.entries) for t in tables]]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    declared, registered = json.loads(out.stdout)
+    assert declared == registered
+
+
+def test_a_declared_name_whose_module_is_not_imported_says_which_module():
+    from trainer.registry import Registry
+
+    table = Registry("KL estimator", "trainer.somewhere", {"k7": KLReads("token")})
+    assert table.names() == ("k7",) and table.declaration("k7") == KLReads("token")
+    with pytest.raises(ValueError, match="registered by trainer.somewhere, which is not imported"):
+        table.get("k7")
+    with pytest.raises(ValueError, match="declared as .* but registered as"):
+        table.add("k7", squared_log_ratio, KLReads("topk"))
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    (["kl.estimator=exact"], "kl.estimator=exact applies no importance weight"),
+    (["kl.estimator=none"], "kl.estimator=none applies no importance weight"),
+    (["kl.estimator=test-squared-log-ratio"], "applies no importance weight"),
+    (["kl.estimator=k3", "kl.importance_weight=false"], "kl.importance_weight=false"),
+    (["kl.estimator=k3", "kl.iw_clip=0"], "kl.iw_clip"),
+])
+def test_iw_clip_where_no_importance_weight_is_clamped_is_a_config_error(overrides, reason):
+    with pytest.raises(ConfigError, match="kl") as error:
+        load_config(overrides=["kl.iw_clip=2", *overrides])
+    assert reason in str(error.value) and "iw_clip" in str(error.value)
+
+
+@pytest.mark.parametrize("estimator", ["topk", "topk_released", "k1", "k3", "k3_clamped"])
+def test_iw_clip_is_accepted_by_the_estimators_that_weigh(estimator):
+    assert load_config(overrides=[f"kl.estimator={estimator}", "kl.iw_clip=2"]).kl.iw_clip == 2

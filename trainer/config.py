@@ -22,8 +22,8 @@ class Section(BaseModel):
 
 
 def registered(table: registry.Registry, name: str, *also: str) -> str:
-    """`name` if it is registered in `table` (trainer.registry) or one of `also`, else an error listing them all."""
-    registry.load_builtin_algorithms()
+    """`name` if it is registered in `table` (trainer.registry: declared there, so no algorithm module is imported)
+    or one of `also`, else an error listing them all."""
     if name not in also and name not in table.names():
         raise ValueError(f"unknown {table.kind} {name!r}; registered: {', '.join((*table.names(), *also))}")
     return name
@@ -120,12 +120,23 @@ class KLSection(Section):
     topk: int = Field(32, ge=0)
     beta: float = Field(0.001, ge=0)
     importance_weight: bool = True
-    iw_clip: float | None = None
+    iw_clip: float | None = Field(None, gt=0)  # clamps the importance weight to at most this (biasing it)
 
     @field_validator("estimator")
     @classmethod
     def _registered_estimator(cls, name: str) -> str:
         return registered(registry.KL_ESTIMATORS, name, KL_OFF)
+
+    @model_validator(mode="after")
+    def _iw_clip_is_used(self) -> KLSection:
+        """kl.iw_clip only where an importance weight is applied: never silently ignored."""
+        if self.iw_clip is None:
+            return self
+        if self.estimator == KL_OFF or not registry.KL_ESTIMATORS.declaration(self.estimator).importance_weight:
+            raise ValueError(f"kl.iw_clip is set but kl.estimator={self.estimator} applies no importance weight")
+        if not self.importance_weight:
+            raise ValueError("kl.iw_clip is set but kl.importance_weight=false turns the weight it clamps off")
+        return self
 
 
 class LoRASection(Section):

@@ -21,6 +21,7 @@ from data.qa import QAExample
 from trainer.batch import RolloutBatch
 from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
 from trainer.config import TrainConfig
+from trainer.data_parallel import fsdp_logits
 from trainer.ema import anchor_weights_in, ema_anchor, should_update_ema
 from trainer.lora import (
     apply_lora,
@@ -31,7 +32,7 @@ from trainer.lora import (
     policy_checkpoint_state,
     uses_lora,
 )
-from trainer.learner import Learner, enable_gradient_checkpointing, fsdp_logits
+from trainer.learner import Learner, enable_gradient_checkpointing
 from trainer.schedule import learning_rate_schedule
 
 

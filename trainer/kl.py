@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.registry import register_kl_estimator
+from trainer.registry import KLReads, register_kl_estimator
 
 DIRECTIONS = ("reverse", "forward")
 TOPK_GRADIENTS = ("unbiased", "released")
@@ -108,7 +108,8 @@ SAMPLED_KL = {"k1": _k1, "k2": _k2, "k3": _k3, "k3pp": _k3pp, "k4": _k4, "k5": _
 SAMPLED_KL_KINDS = tuple(SAMPLED_KL)
 
 
-def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: Tensor | None = None) -> Tensor:
+def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: Tensor | None = None,
+               iw_clip: float | None = None) -> Tensor:
     """Per-token sampled KL estimate, same shape as the inputs (typically (B, T)).
 
     logprob:     log pi_theta(p) of the sampled token, carries the gradient.
@@ -117,19 +118,22 @@ def sampled_kl(logprob: Tensor, ref_logprob: Tensor, kind: str, *, old_logprob: 
                  s = sg(exp(logprob - old_logprob)), so that E_{p~pi_old}[s f(p)] = E_{p~pi_theta}[f(p)] in
                  value and, since s is a constant, in expected gradient too. Without it p is taken to be
                  drawn from pi_theta itself (s = 1, as on the first PPO epoch where pi_theta == pi_old).
+    iw_clip:     clamps s to at most this (biasing it); needs old_logprob.
     """
     if kind not in SAMPLED_KL_KINDS:
         raise ValueError(f"kind must be one of {SAMPLED_KL_KINDS}, got {kind!r}")
     _check_same_shape("ref_logprob", ref_logprob, logprob.shape, "logprob")
     if old_logprob is not None:
         _check_same_shape("old_logprob", old_logprob, logprob.shape, "logprob")
+    if iw_clip is not None and old_logprob is None:
+        raise ValueError("iw_clip clamps the importance weight, which needs old_logprob")
 
     logprob = logprob.float()
     log_w = ref_logprob.float().detach() - logprob  # gradient: -grad log pi
     log_r = logprob - logprob.detach()  # value 0, gradient grad log pi
     kl = SAMPLED_KL[kind](log_w, log_r)
     if old_logprob is not None:
-        kl = importance_weight(logprob, old_logprob) * kl
+        kl = importance_weight(logprob, old_logprob, iw_clip) * kl
     return kl
 
 
@@ -281,7 +285,7 @@ class KLInputs:
     the estimator `reads`: `head_logprobs`, `topk_ids` and `ref_topk_logprobs` for "topk", `exact_kl` for "exact"."""
 
     token_logprob: Tensor  # (M,) log pi_theta(p) of the sampled token
-    ref_token_logprob: Tensor  # (M,) log pi_ref(p)
+    ref_token_logprob: Tensor | None  # (M,) log pi_ref(p); None for "exact" (prepare runs no anchor pass for it)
     tokens: Tensor  # (M,) the sampled tokens p
     direction: str  # "reverse" KL(pi_theta || pi_ref) or "forward" KL(pi_ref || pi_theta)
     old_token_logprob: Tensor | None = None  # (M,) log pi_old(p), when the config asks for the importance weight
@@ -293,7 +297,7 @@ class KLInputs:
 
 
 def _register_topk(name: str, gradient: str) -> None:
-    @register_kl_estimator(name, reads="topk")
+    @register_kl_estimator(name, KLReads("topk"))
     def estimator(x: KLInputs) -> Tensor:
         return topk_kl_from_logprobs(x.head_logprobs, x.token_logprob, x.ref_topk_logprobs, x.ref_token_logprob,
                                      x.topk_ids, x.tokens, direction=x.direction,
@@ -303,15 +307,16 @@ def _register_topk(name: str, gradient: str) -> None:
 _register_topk("topk", "unbiased")  # ours
 
 
-@register_kl_estimator("exact", reads="exact")
+@register_kl_estimator("exact", KLReads("exact", importance_weight=False))
 def exact_estimator(x: KLInputs) -> Tensor:
     return x.exact_kl  # computed beside the policy's LM head, chunk by chunk (trainer.logprobs)
 
 
 def _register_sampled(kind: str) -> None:
-    @register_kl_estimator(kind, reads="token")
+    @register_kl_estimator(kind, KLReads("token"))
     def estimator(x: KLInputs) -> Tensor:
-        return sampled_kl(x.token_logprob, x.ref_token_logprob, kind, old_logprob=x.old_token_logprob)
+        return sampled_kl(x.token_logprob, x.ref_token_logprob, kind, old_logprob=x.old_token_logprob,
+                          iw_clip=x.iw_clip)
 
 
 for _kind in SAMPLED_KL_KINDS:

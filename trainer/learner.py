@@ -1,28 +1,37 @@
 """The learner: one EMA-PG update from a batch of scored trajectories.
 
-    prepare:  pi_old log-probs and top-k ids from the policy (no grad), the anchor's log-probs at those ids: a new,
-              PreparedBatch (the RolloutBatch is left as it was)
+    prepare:  pi_old log-probs from the policy (no grad) and what the KL estimator reads of the anchor (its
+              `KLReads`): its log-prob at the token ("token"), also at pi_old's or its own top-k ids ("topk"),
+              nothing ("exact", and the KL off): a new PreparedBatch (the RolloutBatch is left as it was)
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
               a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.guard)
     then the caller applies the EMA anchor update on its period.
+
+Stats come back under flat names, which trainer.bookkeeping.namespaced maps to the logged ones (`kl` -> kl/anchor,
+...), except kl/grad_share, returned under its logged name.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import fields
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import (PreparedBatch, ResponseLogprobs, RolloutBatch, autocast, prefix_micro_batches,
-                           scatter_tokens)
+from trainer.batch import (
+    PreparedBatch,
+    ResponseLogprobs,
+    RolloutBatch,
+    autocast,
+    prefix_micro_batches,
+    scatter_tokens,
+)
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
+from trainer.data_parallel import data_parallel
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.guard import StepGuard
 from trainer.kl import KLInputs
@@ -51,25 +60,27 @@ def enable_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def fsdp_logits(model, temperature: float, mesh) -> ResponseLogprobs:
-    """FSDP2 over `mesh`: each decoder layer is one unit (its full weights exist only during its forward and
-    backward), the rest (embeddings, final norm, tied output layer) belongs to the root. The root is the
-    ResponseLogprobs wrapper, not the causal LM: the learner never calls the LM's own forward, and FSDP gathers a
-    root's weights in the root's forward."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(ResponseLogprobs(model, temperature), mesh=mesh)
+def gradient_share(part: list[Tensor | None], whole: list[Tensor | None]) -> float:
+    """||part|| / ||whole - part|| over parameters: a loss term's share of the gradient against the rest of it."""
+    part_sq = rest_sq = 0.0
+    for p, w in zip(part, whole, strict=True):
+        if w is None:
+            continue
+        p = torch.zeros_like(w) if p is None else p
+        part_sq += float(p.double().square().sum())
+        rest_sq += float((w - p).double().square().sum())
+    if rest_sq == 0.0:
+        return 0.0 if part_sq == 0.0 else math.inf
+    return math.sqrt(part_sq / rest_sq)
 
 
 class Learner:
     """One process's learner. Data-parallel (torch.distributed initialised, world size W): every rank holds the
     same batch; prepare() splits its micro-batches over the ranks and sums the results, update() gives rank r every
     W-th micro-batch of each mini-batch and DDP (or FSDP, when given sharded `policy_logits` / `anchor_logits` from
-    `fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on the whole mini-batch.
-    Under FSDP every rank must run the same number of passes (they gather weights together): the config makes the
-    micro-batches a multiple of W."""
+    `trainer.data_parallel.fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on
+    the whole mini-batch; `self.parallel` (trainer.data_parallel) says how. Under FSDP every rank must run the same
+    number of passes (they gather weights together): the config makes the micro-batches a multiple of W."""
 
     def __init__(
         self, policy, anchor: EmaAnchor | LoraEmaAnchor, optimizer, scheduler, train: TrainSection, kl: KLSection,
@@ -82,27 +93,23 @@ class Learner:
         self.train = train
         self.kl = kl
         self.kl_estimator = None if kl.estimator == KL_OFF else KL_ESTIMATORS.get(kl.estimator)
+        reads = self.kl_estimator.reads if self.kl_estimator else None
+        self.reads_anchor = reads is not None and reads.values != "exact"  # in prepare; "exact" reads it in update
+        self.reads_topk = reads is not None and reads.values == "topk"
+        self.importance_weight = reads is not None and reads.importance_weight and kl.importance_weight
         # Log-probs are those of the sampling distribution; greedy (0) evaluates at temperature 1.
         self.temperature = temperature or 1.0
         self.autocast_kind = autocast_kind
         guard = guard or GuardSection()
         self.step_guard = StepGuard(guard.max_consecutive_skips) if guard.enabled else None
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
         self.policy_logits = policy_logits or ResponseLogprobs(policy, self.temperature)
         self.anchor_logits = anchor_logits or ResponseLogprobs(anchor.module, self.temperature)
         # The learner's setting, also on wrappers made elsewhere (fsdp_logits).
         self.policy_logits.chunk_tokens = self.anchor_logits.chunk_tokens = train.logprob_chunk_tokens
-        self.sharded = hasattr(self.policy_logits, "set_requires_gradient_sync")  # an FSDP2 module
-        # FSDP's ranks gather each layer's weights together, so they must run the same passes: a micro-batch that
-        # shares a prefix runs the decoder twice. Off there.
-        self.share_prefix = train.share_prefix and not self.sharded
+        self.parallel = data_parallel(self.policy_logits)
+        self.share_prefix = train.share_prefix and self.parallel.share_prefix
         self.policy_logits.share_prefix = self.anchor_logits.share_prefix = self.share_prefix
-        if self.distributed and not self.sharded:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # DDP broadcasts rank 0's weights at construction, so every rank starts from the same policy.
-            self.policy_logits = DistributedDataParallel(self.policy_logits)
+        self.policy_logits = self.parallel.wrap(self.policy_logits)
 
     def token_stats(self, mb: RolloutBatch, ids: Tensor | None = None, anchor: bool = False,
                     **options) -> TokenLogprobs | Tensor:
@@ -113,26 +120,6 @@ class Learner:
         with autocast(self.autocast_kind, self.policy):
             return (self.anchor_logits if anchor else self.policy_logits)(mb, ids, **options)
 
-    def gradient_sync(self, enabled: bool):
-        """Context for one backward: with `enabled` False, gradients only accumulate locally (all but a rank's last
-        micro-batch of a mini-batch); the last one's backward sums them over the ranks."""
-        if self.distributed and self.sharded:
-            self.policy_logits.set_requires_gradient_sync(enabled)
-        elif self.distributed and not enabled:
-            return self.policy_logits.no_sync()
-        return nullcontext()
-
-    def first_bad_micro_batch(self, mine: int | None) -> int | None:
-        """The first micro-batch of the mini-batch with a non-finite loss on any rank (`mine`: this rank's), so that
-        every rank skips the same steps."""
-        if not self.distributed:
-            return mine
-        sentinel = torch.iinfo(torch.int64).max
-        # On the model's device: NCCL reduces only GPU tensors.
-        first = torch.tensor([sentinel if mine is None else mine], device=next(self.policy.parameters()).device)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        return None if int(first) == sentinel else int(first)
-
     def micro_rows(self, batch: RolloutBatch) -> list[Tensor]:
         """The batch's micro-batches (row indices): runs of rows that share prefixes where the learner shares them,
         else length-sorted (each micro-batch is cut to its longest response, so length-sorted ones pad least)."""
@@ -142,41 +129,47 @@ class Learner:
 
     def my_share(self, micro_rows: list) -> list:
         """This rank's micro-batches: every world_size-th (neighbours in the order, so ranks get similar work)."""
-        return micro_rows[self.rank :: self.world_size]
+        return micro_rows[self.parallel.rank :: self.parallel.world_size]
 
     @torch.no_grad()
     def prepare(self, batch: RolloutBatch) -> PreparedBatch:
-        """The batch with pi_old's token log-probs and the anchor's values at the top-k ids, computed micro-batch by
-        micro-batch: k + 1 values per token are kept, and no pass holds more of the vocabulary than one chunk of
-        tokens' logits (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
-        k, direction = self.kl.topk, self.kl.direction
+        """The batch with pi_old's token log-probs and what the KL estimator reads of the anchor (`KLReads`), computed
+        micro-batch by micro-batch: no pass the estimator does not read (no top-k for the sampled estimators, no
+        anchor pass for the exact KL, whose update pass reads the anchor, or with the KL off); at most k + 1 values
+        per token are kept, and no pass holds more of the vocabulary than one chunk of tokens' logits
+        (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
+        k, forward_topk = self.kl.topk, self.kl.direction == "forward"
         n, width = batch.response_ids.shape
         device = batch.response_ids.device
         old_logprobs = torch.zeros(n, width, device=device)
-        topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device)
-        ref_topk_logprobs = torch.zeros(n, width, k, device=device)
-        ref_token_logprob = torch.zeros(n, width, device=device)
+        ref_token_logprob = torch.zeros(n, width, device=device) if self.reads_anchor else None
+        topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=device) if self.reads_topk else None
+        ref_topk_logprobs = torch.zeros(n, width, k, device=device) if self.reads_topk else None
         self.policy.eval()
         for rows in self.my_share(self.micro_rows(batch)):
             mb = batch.select(rows)  # cut to its longest response: w <= width columns
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
-            if direction == "reverse":  # q: pi_old's top-k; the anchor's log-probs there and at the token
-                policy = self.token_stats(mb, tokens, topk=k)
+            # q: pi_old's top-k (reverse) or the anchor's (forward); the anchor's log-probs there and at the token.
+            policy = self.token_stats(mb, tokens, topk=k if self.reads_topk and not forward_topk else None)
+            old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
+            if not self.reads_anchor:
+                continue
+            if self.reads_topk and forward_topk:
+                anchor = self.token_stats(mb, tokens, anchor=True, topk=k)
+                top, ref_topk, ref_token = anchor.topk_ids, anchor.topk_logprobs, anchor.logprobs[:, 0]
+            elif self.reads_topk:
                 top = policy.topk_ids
                 anchor_values = self.token_stats(mb, torch.cat([top, tokens], dim=-1), anchor=True).logprobs
                 ref_topk, ref_token = anchor_values[:, :-1], anchor_values[:, -1]
-            else:  # q: the anchor's top-k
-                anchor = self.token_stats(mb, tokens, anchor=True, topk=k)
-                top, ref_topk, ref_token = anchor.topk_ids, anchor.topk_logprobs, anchor.logprobs[:, 0]
-                policy = self.token_stats(mb, tokens)
-            old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
-            topk_ids[rows, :w] = scatter_tokens(top, mask)
-            ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
+            else:
+                ref_token = self.token_stats(mb, tokens, anchor=True).logprobs[:, 0]
             ref_token_logprob[rows, :w] = scatter_tokens(ref_token, mask)
-        if self.distributed:  # each rank filled its own rows (zeros elsewhere): the sum is the whole batch
-            for values in (old_logprobs, topk_ids, ref_topk_logprobs, ref_token_logprob):
-                dist.all_reduce(values)
+            if self.reads_topk:
+                topk_ids[rows, :w] = scatter_tokens(top, mask)
+                ref_topk_logprobs[rows, :w] = scatter_tokens(ref_topk, mask)
+        # Each rank filled its own rows (zeros elsewhere): the sum is the whole batch.
+        self.parallel.sum(*(v for v in (old_logprobs, topk_ids, ref_topk_logprobs, ref_token_logprob) if v is not None))
         self.reshard()
         rollout = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}  # a PreparedBatch's are replaced
         return PreparedBatch(**rollout, old_logprobs=old_logprobs, topk_ids=topk_ids,
@@ -185,35 +178,35 @@ class Learner:
     def reshard(self) -> None:
         """FSDP keeps a root's weights gathered after a forward pass with no backward (the root expects one next):
         free them, so the anchor's EMA update and the optimizer see shards on both sides."""
-        if self.sharded:
-            self.policy_logits.reshard()
-            self.anchor_logits.reshard()
+        self.parallel.reshard(self.policy_logits, self.anchor_logits)
 
     def kl_per_token(self, stats: TokenLogprobs, mb: PreparedBatch) -> Tensor:
         """(N, T) per-token KL estimate from the policy's packed statistics (`micro_loss` asked for what the
         registered estimator reads: log pi at the top-k ids and the token, or the exact KL)."""
-        mask, reads = mb.loss_mask, self.kl_estimator.reads
+        mask, weighted = mb.loss_mask, self.importance_weight
         inputs = KLInputs(
-            token_logprob=stats.logprobs[:, -1], ref_token_logprob=mb.ref_token_logprob[mask],
+            token_logprob=stats.logprobs[:, -1],
+            ref_token_logprob=mb.ref_token_logprob[mask] if self.reads_anchor else None,
             tokens=mb.response_ids[mask], direction=self.kl.direction,
-            old_token_logprob=mb.old_logprobs[mask] if self.kl.importance_weight else None, iw_clip=self.kl.iw_clip,
-            head_logprobs=stats.logprobs[:, :-1] if reads == "topk" else None,
-            topk_ids=mb.topk_ids[mask] if reads == "topk" else None,
-            ref_topk_logprobs=mb.ref_topk_logprobs[mask] if reads == "topk" else None,
-            exact_kl=stats.kl if reads == "exact" else None,
+            old_token_logprob=mb.old_logprobs[mask] if weighted else None, iw_clip=self.kl.iw_clip if weighted else None,
+            head_logprobs=stats.logprobs[:, :-1] if self.reads_topk else None,
+            topk_ids=mb.topk_ids[mask] if self.reads_topk else None,
+            ref_topk_logprobs=mb.ref_topk_logprobs[mask] if self.reads_topk else None,
+            exact_kl=stats.kl,
         )
         return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
-    def micro_loss(self, mb: PreparedBatch, weight: float) -> dict[str, float]:
-        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats."""
+    def micro_loss(self, mb: PreparedBatch, weight: float, kl_grad_share: bool = False) -> dict[str, float]:
+        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats. With
+        `kl_grad_share`, also kl/grad_share: ||beta grad KL|| / ||grad of the rest of the loss|| on this micro-batch
+        (one backward more, of the KL term alone; read before any other micro-batch's gradient accumulates)."""
         mask = mb.loss_mask
-        reads = self.kl_estimator.reads if self.kl_estimator else None
         ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for estimators reading them
-        if reads == "topk":
+        if self.reads_topk:
             ids = torch.cat([mb.topk_ids[mask], ids], dim=-1)
         reference = None
-        if reads == "exact":  # the anchor's hidden states; its head runs beside the policy's, per chunk
-            with torch.no_grad():
+        if self.kl_estimator is not None and self.kl_estimator.reads.values == "exact":
+            with torch.no_grad():  # the anchor's hidden states; its head runs beside the policy's, per chunk
                 reference = (self.token_stats(mb, anchor=True), self.anchor_logits.model.get_output_embeddings())
         # Entropy is always logged; it carries gradient only when it is in the loss.
         stats = self.token_stats(mb, ids, entropy=True, entropy_grad=self.train.entropy_coef > 0,
@@ -226,9 +219,11 @@ class Learner:
         )
         loss = pg_loss
         out = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        kl_term = None
         if self.kl_estimator is not None:
             kl = masked_mean(self.kl_per_token(stats, mb), mask, self.train.aggregation)
-            loss = loss + self.kl.beta * kl
+            kl_term = self.kl.beta * kl
+            loss = loss + kl_term
             out["kl"] = float(kl.detach())
         entropy = masked_mean(scatter_tokens(stats.entropy, mask), mask, self.train.aggregation)
         if self.train.entropy_coef > 0:
@@ -236,19 +231,30 @@ class Learner:
         out["entropy"] = float(entropy.detach())
         out["loss"] = float(loss.detach())
         # DDP and FSDP average gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
-        (loss * weight * self.world_size).backward()
-        return {k: v * weight for k, v in out.items()}
+        scale = weight * self.parallel.world_size
+        share = kl_grad_share and kl_term is not None and kl_term.requires_grad
+        if share:
+            trained = [p for p in self.policy.parameters() if p.requires_grad]
+            kl_grads = torch.autograd.grad(kl_term * scale, trained, retain_graph=True, allow_unused=True)
+        (loss * scale).backward()
+        out = {k: v * weight for k, v in out.items()}
+        if share:  # the first micro-batch of a step: .grad holds its gradient alone
+            out["kl/grad_share"] = gradient_share(list(kl_grads), [p.grad for p in trained])
+        return out
 
     def update(self, batch: PreparedBatch, generator: torch.Generator | None = None,
                iteration: int = 0) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of prepare()'s batch; returns stats averaged over the optimizer steps
-        taken. With the guard on, a step with a non-finite micro-batch loss or gradient norm is skipped whole
-        (`guard_skipped_steps`)."""
+        taken, and kl/grad_share on the first micro-batch (one process only: under DDP/FSDP the extra backward
+        would have to run on every rank). With the guard on, a step with a non-finite micro-batch loss or gradient
+        norm is skipped whole (`guard_skipped_steps`)."""
         if not isinstance(batch, PreparedBatch):
             raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
+        parallel = self.parallel
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
+        grad_share = {}
         steps = skipped = 0
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
@@ -261,20 +267,22 @@ class Learner:
                 micro_totals: dict[str, float] = defaultdict(float)  # this step's; kept only if the step is taken
                 bad_micro_batch = None  # this rank's first micro-batch (index in the mini-batch) with a non-finite loss
                 for i, (rows, weight) in enumerate(mine):
-                    if weight == 0.0 and not self.distributed:  # DDP/FSDP need every rank's backward passes
+                    if weight == 0.0 and not parallel.lockstep:  # DDP/FSDP need every rank's backward passes
                         continue
-                    with self.gradient_sync(enabled=i == len(mine) - 1):
-                        micro_stats = self.micro_loss(mini.select(rows), weight)
+                    with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
+                        micro_stats = self.micro_loss(mini.select(rows), weight,
+                                                      kl_grad_share=not grad_share and parallel.world_size == 1)
+                    if "kl/grad_share" in micro_stats:
+                        grad_share["kl/grad_share"] = micro_stats.pop("kl/grad_share")
                     if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
-                        bad_micro_batch = self.rank + i * self.world_size
+                        bad_micro_batch = parallel.rank + i * parallel.world_size
                     for key, value in micro_stats.items():
                         micro_totals[key] += value
                 # After the all-reduce (DDP/FSDP): the same norm on every rank.
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)
-                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
-                    grad_norm = grad_norm.full_tensor()
+                grad_norm = parallel.whole(torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                                          self.train.grad_clip))
                 if self.step_guard is not None and self.step_guard.skip(
-                        self.first_bad_micro_batch(bad_micro_batch), float(grad_norm),
+                        parallel.first_bad_micro_batch(bad_micro_batch, batch.loss_mask.device), float(grad_norm),
                         f"iteration {iteration}, optimizer step {steps + skipped + 1}"):
                     self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches weights or moments
                     skipped += 1
@@ -288,12 +296,12 @@ class Learner:
                 steps += 1
         self.policy.eval()
         self.reshard()
-        if self.distributed:  # every rank's share of the micro-batch stats, summed: the whole batch's
-            keys = sorted(totals)
-            # On the model's device: NCCL reduces only GPU tensors.
-            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=batch.loss_mask.device)
-            dist.all_reduce(summed)
-            totals = defaultdict(float, zip(keys, summed.tolist(), strict=True))
+        # Every rank's share of the micro-batch stats, summed: the whole batch's (on the batch's device: NCCL reduces
+        # only GPU tensors).
+        keys = sorted(totals)
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=batch.loss_mask.device)
+        parallel.sum(summed)
+        totals = dict(zip(keys, summed.tolist(), strict=True))
         stats = {k: v / max(steps, 1) for k, v in {**totals, **step_totals}.items()}
         mask = batch.loss_mask
         gap = (batch.sampler_logprobs - batch.old_logprobs).abs()[mask]
@@ -301,4 +309,4 @@ class Learner:
         stats["sampler_trainer_logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         stats["optimizer_steps"] = steps
         stats["guard_skipped_steps"] = skipped
-        return stats
+        return {**stats, **grad_share}

@@ -1,57 +1,89 @@
 """Algorithms by name (verl's `core_algos` style): KL estimators, advantage estimators and loss aggregations.
 
 Each is a pure function registered where it is defined (trainer/kl.py, trainer/advantages.py,
-trainer/policy_loss.py); the config's allowed values are the registered names (trainer/config.py) and the learner
-and the loop look functions up here, so adding one is one decorated function in one file:
+trainer/policy_loss.py) into a registry here; the learner and the loop look functions up here, and the config checks
+names here. This module imports neither torch nor the rest of the project, so validating a config loads no algorithm
+(and no torch), and the algorithm modules import it without a circle. For a typo to fail validation all the same,
+each registry declares the names its module registers (and, for KL estimators, what each reads); registering one of
+them checks that its registration says the same, and tests/test_registry.py that each declared one is registered.
+Adding one is one decorated function in one file:
 
     from trainer.kl import KLInputs, sampled_kl
-    from trainer.registry import register_kl_estimator
+    from trainer.registry import KLReads, register_kl_estimator
 
-    @register_kl_estimator("k2x2", reads="token")
+    @register_kl_estimator("k2x2", KLReads("token"))
     def k2_twice(x: KLInputs) -> Tensor:
-        return 2 * sampled_kl(x.token_logprob, x.ref_token_logprob, "k2", old_logprob=x.old_token_logprob)
+        return 2 * sampled_kl(x.token_logprob, x.ref_token_logprob, "k2", old_logprob=x.old_token_logprob,
+                              iw_clip=x.iw_clip)
 
-then `kl.estimator=k2x2`, once the module that registers it is imported before the config is loaded.
+then `kl.estimator=k2x2`, once the module that registers it is imported before the config is loaded (a built-in is
+added to its registry's declared names instead).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 Entry = TypeVar("Entry")
 
 
 class Registry(Generic[Entry]):
-    """Name -> entry, in registration order. A name is registered once: a second registration is an error, not a
-    silent replacement of an algorithm that runs under the same config value."""
+    """Name -> entry, in registration order, with the names `defined_in` registers declared up front (each with what
+    the config checks of it: `declared`). A name is registered once: a second registration is an error, not a silent
+    replacement of an algorithm that runs under the same config value."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, defined_in: str, declared: dict[str, Any]):
         self.kind = kind
+        self.defined_in = defined_in
+        self.declared = dict(declared)  # name -> declaration; registrations from elsewhere are added as they come
         self.entries: dict[str, Entry] = {}
 
-    def add(self, name: str, entry: Entry) -> Entry:
+    def add(self, name: str, entry: Entry, declaration: Any = None) -> Entry:
         if name in self.entries:
             raise ValueError(f"{self.kind} {name!r} is already registered")
+        if name in self.declared and self.declared[name] != declaration:
+            raise ValueError(f"{self.kind} {name!r} is declared as {self.declared[name]} in trainer.registry but "
+                             f"registered as {declaration}")
+        self.declared[name] = declaration
         self.entries[name] = entry
         return entry
 
-    def get(self, name: str) -> Entry:
-        if name not in self.entries:
+    def check(self, name: str) -> None:
+        if name not in self.declared:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
+
+    def declaration(self, name: str) -> Any:
+        """What the config checks of `name` (no import of the module that defines it)."""
+        self.check(name)
+        return self.declared[name]
+
+    def get(self, name: str) -> Entry:
+        self.check(name)
+        if name not in self.entries:
+            raise ValueError(f"{self.kind} {name!r} is registered by {self.defined_in}, which is not imported yet")
         return self.entries[name]
 
     def names(self) -> tuple[str, ...]:
-        return tuple(self.entries)
+        return tuple(self.declared)
 
 
-# What a KL estimator reads of the policy besides log pi at the sampled token (the learner asks the chunked
-# log-prob pass for exactly that, and prepare() stores the anchor's values it needs):
-#   token: log pi_theta(p), log pi_ref(p) (and log pi_old(p) for the importance weight)
-#   topk:  also log pi_theta and log pi_ref at the top-k ids q (pi_old's for reverse, the anchor's for forward)
-#   exact: also the full-vocabulary KL per token, computed beside the policy's LM head chunk by chunk
-KLReads = Literal["token", "topk", "exact"]
+@dataclass(frozen=True)
+class KLReads:
+    """What a KL estimator reads, so that the learner gathers exactly that and the config refuses what it would ignore.
+
+    values: besides log pi_theta(p) of the sampled token p,
+      token: log pi_ref(p) (the anchor's pass in prepare, at the token alone)
+      topk:  also log pi_theta and log pi_ref at the top-k ids q (pi_old's for reverse, the anchor's for forward)
+      exact: the full-vocabulary KL per token, beside the policy's LM head chunk by chunk (the anchor's hidden states
+             come from the update pass: prepare runs no anchor pass)
+    importance_weight: whether it weighs by s = sg(pi_theta(p) / pi_old(p)) (reading log pi_old(p)), which
+      kl.importance_weight turns on and kl.iw_clip clamps.
+    """
+
+    values: Literal["token", "topk", "exact"]
+    importance_weight: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,15 +101,21 @@ class LossAggregation:
     count: Callable  # (mask (N, T) bool) -> scalar: the denominator of reduce
 
 
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+SAMPLED = KLReads("token")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "trainer.kl", {
+    "topk": KLReads("topk"), "exact": KLReads("exact", importance_weight=False),
+    "k1": SAMPLED, "k2": SAMPLED, "k3": SAMPLED, "k3pp": SAMPLED, "k4": SAMPLED, "k5": SAMPLED, "k3_clamped": SAMPLED,
+    "topk_released": KLReads("topk"),
+})
 # (rewards (N,), group_ids list[str], *, normalize_std: bool) -> advantages (N,)
-ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator")
-LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("loss aggregation")
+ADVANTAGE_ESTIMATORS: Registry[Callable] = Registry("advantage estimator", "trainer.advantages", {"grpo": None})
+LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry(
+    "loss aggregation", "trainer.policy_loss", {"token-mean": None, "seq-mean-token-mean": None})
 
 
 def register_kl_estimator(name: str, reads: KLReads) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
-        KL_ESTIMATORS.add(name, KLEstimator(fn, reads))
+        KL_ESTIMATORS.add(name, KLEstimator(fn, reads), reads)
         return fn
 
     return decorate
@@ -96,11 +134,3 @@ def register_loss_aggregation(name: str, count: Callable) -> Callable[[Callable]
         return reduce
 
     return decorate
-
-
-def load_builtin_algorithms() -> None:
-    """Import the modules that register the built-in algorithms (torch-heavy: imported when a config is
-    validated, not when trainer.config is imported)."""
-    import trainer.advantages  # noqa: F401
-    import trainer.kl  # noqa: F401
-    import trainer.policy_loss  # noqa: F401
