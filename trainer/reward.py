@@ -16,8 +16,9 @@ from agent.trajectory import Trajectory
 from eval.metrics import exact_match, f1
 from trainer.registry import Registry
 
-# (prediction or None, golden answers) -> reward in [0, 1]
-REWARDS: Registry[Callable[[str | None, Iterable[str]], float]] = Registry("reward")
+# (prediction or None, golden answers) -> reward in [0, 1]. Filled right here, where the config finds it (importing
+# this module costs no torch), so no name is declared ahead of its registration.
+REWARDS: Registry[Callable[[str | None, Iterable[str]], float]] = Registry("reward", "trainer.reward", {})
 REWARDS.add("em", exact_match)
 REWARDS.add("f1", f1)
 
