@@ -124,3 +124,44 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
         assert (cfg.run_dir / "checkpoints").is_dir()  # saved at the last iteration from rank 0's state
     finally:
         engine.close()
+
+
+def test_the_ddp_strategy_on_one_gloo_rank_gives_the_one_process_update(tiny_model, tokenizer):
+    """trainer.data_parallel: with torch.distributed initialised the learner takes the DDP strategy (wrapped policy,
+    no_sync on all but the last micro-batch, sums over the ranks), and on one rank its prepared values, stats and
+    gradient are the one-process learner's; fast, where the Ray tests above cover two ranks."""
+    import copy
+
+    import torch.distributed as dist
+    from test_learner import make_learner
+    from torch.nn.parallel import DistributedDataParallel
+
+    from retriever.process import free_port
+    from trainer.data_parallel import DDP, OneProcess
+
+    trajs = ragged_trajectories(len(tokenizer))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    results = []
+    for distributed in (False, True):
+        if distributed:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            model = copy.deepcopy(tiny_model)
+            torch.manual_seed(0)
+            learner = make_learner(model, 2, "token-mean", "k3")
+            assert type(learner.parallel) is (DDP if distributed else OneProcess)
+            assert isinstance(learner.policy_logits, DistributedDataParallel) == distributed
+            batch = learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id))
+            stats = learner.update(batch, torch.Generator().manual_seed(0))
+            results.append((batch.old_logprobs, batch.ref_token_logprob, stats,
+                            torch.cat([p.grad.flatten() for p in model.parameters()])))
+        finally:
+            if distributed:
+                dist.destroy_process_group()
+    (old, ref, stats, grad), (ddp_old, ddp_ref, ddp_stats, ddp_grad) = results
+    torch.testing.assert_close(ddp_old, old)
+    torch.testing.assert_close(ddp_ref, ref)
+    torch.testing.assert_close(ddp_grad, grad, rtol=1e-5, atol=1e-7)
+    assert "kl/grad_share" in stats and "kl/grad_share" not in ddp_stats  # one process only
+    for key in ("loss", "policy_loss", "kl", "grad_norm"):
+        assert ddp_stats[key] == pytest.approx(stats[key], rel=1e-6), key

@@ -271,7 +271,7 @@ class Learner:
                         continue
                     with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
                         micro_stats = self.micro_loss(mini.select(rows), weight,
-                                                      kl_grad_share=not grad_share and parallel.world_size == 1)
+                                                      kl_grad_share=not grad_share and not parallel.lockstep)
                     if "kl/grad_share" in micro_stats:
                         grad_share["kl/grad_share"] = micro_stats.pop("kl/grad_share")
                     if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
