@@ -44,8 +44,10 @@ $(STAMP): pyproject.toml Makefile
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 
-# pytest exits 5 when it collects no tests: that is a failure here, never a pass.
+# pytest exits 5 when it collects no tests: that is a failure here, never a pass. Debian's chromium renders
+# `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).
 test: setup
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import os
 import shutil
@@ -53,12 +54,55 @@ def tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return tied
 
 
+def tensorless_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules with no weights of their own, only buffers that no checkpoint holds (non-persistent: the rotary
+    embedding's cos/sin cache, computed when the engine starts)."""
+    return [m for m in model.modules() if not list(m.parameters(recurse=False)) and list(m.buffers(recurse=False))
+            and {name for name, _ in m.named_buffers(recurse=False)} <= m._non_persistent_buffers_set]
+
+
+# vLLM's in-place reload warns "<layer>: Failed to load weights" at every sync for each layer that got no tensor from
+# the file: on SmolLM2 `ParallelLMHead` (tied: its weight is the embedding's, which is loaded) and `RotaryEmbedding`
+# (a cache, no weights). Both keep their tensors, which is right. The filter lets the first such line through,
+# explained, and drops the rest; the same warning for any other layer (a real missing weight) passes untouched.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_WARNING = "%s: Failed to load weights"
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    def __init__(self, layer_classes: set[str]):
+        super().__init__()
+        self.layer_classes = layer_classes
+        self.explained = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != RELOAD_WARNING or not record.args or record.args[0] not in self.layer_classes:
+            return True
+        if self.explained:
+            return False
+        self.explained = True
+        record.msg = ("%s: Failed to load weights: expected at every weight sync for the layers no checkpoint holds "
+                      "(%s: a tied output layer shares the embedding's weight, a rotary embedding has none); they "
+                      "keep their tensors. Not repeated.")
+        record.args = (record.args[0], ", ".join(sorted(self.layer_classes)))
+        return True
+
+
+def quiet_expected_reload_warnings(model: torch.nn.Module) -> None:
+    """Install ExpectedReloadWarnings for `model`'s tied and tensorless layers, once per process."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
+        layers = tied_modules(model) + tensorless_modules(model)
+        logger.addFilter(ExpectedReloadWarnings({type(m).__name__ for m in layers}))
+
+
 class WeightSyncExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`), so weight sync is a named RPC: no function pickling."""
 
     def load_policy_weights(self, path: str, layout: list[list]) -> None:
         """Load the weights the trainer wrote into the shared file `path` (see `write_weight_file`)."""
         model = self.model_runner.model
+        quiet_expected_reload_warnings(model)
         # vLLM's in-place reload: HF names are mapped onto its fused layers (q/k/v -> qkv_proj, gate/up ->
         # gate_up_proj) and copied into the model, then each loaded layer's post-load processing (e.g. the CPU
         # backend's GEMM weight packing) runs again. No restart, no reload from disk.
@@ -168,6 +212,11 @@ def cpu_worker_binding(cpus: set[int], user_binding: str | None) -> str | None:
     return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
+class EngineDied(RuntimeError):
+    """vLLM's engine process exited under a running backend (vLLM's EngineDeadError says only "EngineCore encountered
+    an issue")."""
+
+
 class VLLMBackend:
     def __init__(
         self, model_path: str, *, dtype: str = "float32", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -178,6 +227,7 @@ class VLLMBackend:
         it to `gpu_memory_utilization`, the share of GPU memory for weights and cache. `max_logprobs`: the most
         top log-probs a request may ask for per position (vLLM's default, 20; Top-k's k = 32 needs more)."""
         kv_budget = kv_cache_bytes(model_path, dtype, max_model_len, kv_cache_gib)  # fails fast, before the engine
+        self.model_path = model_path
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -212,8 +262,20 @@ class VLLMBackend:
             raise
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on the engine's event loop and wait for its result (called from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        """Run a coroutine on the engine's event loop and wait for its result (called from any other thread). An
+        engine whose process died raises EngineDied, whichever call (a rollout, a weight sync) found out."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        except (EngineDeadError, BaseExceptionGroup) as e:  # a group: the continuous rollout's TaskGroup
+            if isinstance(e, BaseExceptionGroup) and e.subgroup(EngineDeadError) is None:
+                raise
+            raise EngineDied(
+                f"vLLM engine for {self.model_path} died: its EngineCore process is gone (killed, out of memory, or "
+                "crashed; its log is above), so this run cannot go on. Start the run again with --resume: it "
+                "continues from its last checkpoint, exactly as if uninterrupted"
+            ) from e
 
     async def agenerate(self, prompt: list[int], params: SamplingParams, stop: list[str], row: int = 0) -> Generation:
         """Continue one prompt (on the engine's loop); `row` picks its seed (row_seed(params.seed, row))."""

@@ -1,0 +1,111 @@
+"""A quiet console: the engine's logs go to the run folder's log file, the console keeps ours.
+
+vLLM logs hundreds of INFO and WARNING lines per run (engine start-up, every weight sync, platform notes such as
+"libtcmalloc is not found" and "Triton is not installed"), in this process and in its EngineCore process. By
+default they go to `<run folder>/emapg.log` (before a run folder is known: artifacts/logs/emapg.log); only the
+engine's errors still reach the console, beside our progress bars, stage headers and warnings.
+`emapg --verbose ...` or EMAPG_VERBOSE=1 leaves the engine's logging as vLLM sets it (everything on the console).
+
+How: vLLM configures its loggers from the JSON file named by VLLM_LOGGING_CONFIG_PATH (a `logging.config`
+dictConfig) when it is imported, in every process it starts, and those processes inherit this one's environment.
+`setup` writes that file and sets the variable, once, before anything imports vLLM; `log_to` points it (and the
+loggers already configured in this process) at a run folder's log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.config
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+VERBOSE_ENV = "EMAPG_VERBOSE"
+LOG_NAME = "emapg.log"
+# The engines whose logs are kept off the console: vLLM (this process and its EngineCore) and Ray's driver side.
+ENGINE_LOGGERS = ("vllm", "ray")
+# Our own logger: its warnings stay on the console (Python's default) and are copied to the log file too.
+OWN_LOGGER = "emapg"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"
+
+_config_path: str | None = None  # the dictConfig file VLLM_LOGGING_CONFIG_PATH names, once setup ran quiet
+
+
+def verbose_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def logging_config(log_file: Path, level: str = "INFO") -> dict:
+    """The dictConfig for the engine loggers: everything from `level` up to `log_file`, errors also to stderr."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,  # everyone else's loggers (ours included) stay as they are
+        "formatters": {"plain": {"format": LOG_FORMAT}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(log_file), "mode": "a", "delay": True,
+                     "encoding": "utf-8", "formatter": "plain", "level": "DEBUG"},
+            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR",
+                        "formatter": "plain"},
+        },
+        "loggers": {name: {"handlers": ["file", "console"], "level": level, "propagate": False}
+                    for name in ENGINE_LOGGERS},
+    }
+
+
+def setup(verbose: bool = False, log_file: Path | None = None) -> bool:
+    """Called once by the CLI before any command runs. Quiet (the default): engine logs to `log_file` (default
+    artifacts/logs/emapg.log until `log_to` names the run's folder). Returns whether the console is verbose."""
+    global _config_path
+    if verbose_requested(verbose):
+        return True
+    if log_file is None:
+        from emapg.workflow import ARTIFACTS
+
+        log_file = ARTIFACTS / "logs" / LOG_NAME
+    if _config_path is None:
+        fd, _config_path = tempfile.mkstemp(prefix="emapg-logging-", suffix=".json")
+        os.close(fd)
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"  # a config file needs vLLM's logging configuration on
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = _config_path
+    _apply(log_file)
+    return False
+
+
+def log_to(folder: Path) -> Path | None:
+    """Send the engine's logs (from now on, in this process and in engines started later) to `folder`/emapg.log;
+    call it once the run folder exists (a demo that clears its folder first: after that). Returns the log file, or
+    None when the console is verbose (nothing is redirected)."""
+    if _config_path is None:
+        return None
+    log_file = Path(folder) / LOG_NAME
+    _apply(log_file)
+    return log_file
+
+
+def _apply(log_file: Path) -> None:
+    log_file = log_file.resolve()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    config = logging_config(log_file, os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    Path(_config_path).write_text(json.dumps(config))
+    # The engine loggers of this process, now (vLLM may be imported already; its later processes read the file).
+    logging.config.dictConfig(config)
+    own = logging.getLogger(OWN_LOGGER)
+    for handler in [h for h in own.handlers if getattr(h, "emapg_run_log", False)]:
+        own.removeHandler(handler)
+        handler.close()
+    handler = logging.FileHandler(log_file, mode="a", encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.emapg_run_log = True
+    own.addHandler(handler)
+    if own.level == logging.NOTSET:
+        own.setLevel(logging.INFO)
+    # Our warnings keep reaching the console: with a handler of its own the logger no longer falls back to
+    # Python's last-resort stderr handler, so it gets one for WARNING and up.
+    if not any(getattr(h, "emapg_console", False) for h in own.handlers):
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        console.emapg_console = True
+        own.addHandler(console)
