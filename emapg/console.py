@@ -9,7 +9,9 @@ engine's errors still reach the console, beside our progress bars, stage headers
 How: vLLM configures its loggers from the JSON file named by VLLM_LOGGING_CONFIG_PATH (a `logging.config`
 dictConfig) when it is imported, in every process it starts, and those processes inherit this one's environment.
 `setup` writes that file and sets the variable, once, before anything imports vLLM; `log_to` points it (and the
-loggers already configured in this process) at a run folder's log.
+loggers already configured in this process) at a run folder's log. What the engine's processes write around
+logging (Python warnings, progress bars, C++ messages) goes to their stdout and stderr, inherited from this process
+when they start: `engine_output_to_log` points those at the log while the engine starts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging.config
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 VERBOSE_ENV = "EMAPG_VERBOSE"
@@ -31,6 +35,7 @@ OWN_LOGGER = "emapg"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"
 
 _config_path: str | None = None  # the dictConfig file VLLM_LOGGING_CONFIG_PATH names, once setup ran quiet
+_log_file: Path | None = None  # where the engine's logs go now
 
 
 def verbose_requested(flag: bool = False) -> bool:
@@ -84,9 +89,39 @@ def log_to(folder: Path) -> Path | None:
     return log_file
 
 
+@contextmanager
+def engine_output_to_log() -> Iterator[None]:
+    """While an engine starts (its imports, its processes' start): this process's stdout and stderr, which the
+    engine's processes inherit for their whole life, go to the log file. What they write bypassing logging (Python
+    warnings at import, progress bars, the C++ runtime's messages) then lands there too. A no-op when verbose."""
+    if _log_file is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    log = os.open(_log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (log, *saved):
+            os.close(fd)
+
+
 def _apply(log_file: Path) -> None:
+    global _log_file
     log_file = log_file.resolve()
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # e.g. `emapg mcp` started by a desktop app in a folder it cannot write
+        log_file = Path(tempfile.gettempdir()) / LOG_NAME
+    _log_file = log_file
     config = logging_config(log_file, os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     Path(_config_path).write_text(json.dumps(config))
     # The engine loggers of this process, now (vLLM may be imported already; its later processes read the file).

@@ -132,3 +132,28 @@ def test_weight_sync_warnings_for_tied_and_cache_layers_are_explained_once():
             logger.removeFilter(f)
         for f in before:
             logger.addFilter(f)
+
+
+RAW_OUTPUT = textwrap.dedent("""
+    import subprocess, sys
+    from pathlib import Path
+    from emapg.console import engine_output_to_log, log_to, setup
+
+    setup(False, log_file=Path(sys.argv[1]) / "before.log")
+    log_to(Path(sys.argv[1]))
+    with engine_output_to_log():  # an engine process that prints around logging, started inside: inherits the log
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); "
+                                  "print('child stdout'); print('child progress bar', file=sys.stderr)"])
+        print("start-up chatter", flush=True)
+    print("our progress", flush=True)
+    child.wait()
+""")
+
+
+def test_engine_processes_started_inside_write_their_raw_output_to_the_log(tmp_path):
+    result = run_python(RAW_OUTPUT, str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    console = result.stdout + result.stderr
+    log = (tmp_path / "emapg.log").read_text()
+    assert "child stdout" in log and "child progress bar" in log and "start-up chatter" in log
+    assert "child" not in console and "start-up chatter" not in console and "our progress" in console
