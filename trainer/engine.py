@@ -19,6 +19,7 @@ from agent.seeds import update_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
 from trainer.batch import RolloutBatch
+from trainer.bookkeeping import merge_metrics
 from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
 from trainer.config import TrainConfig
 from trainer.data_parallel import fsdp_logits
@@ -112,7 +113,7 @@ class PolicyTrainer:
         if should_update_ema(iteration, cfg.ema.period) and stats["optimizer_steps"]:
             self.anchor.update(self.policy, cfg.ema.tau)
         timings["time_ema_s"] = time.perf_counter() - start
-        return {**stats, "anchor_distance": self.anchor.distance(self.policy), **timings}
+        return merge_metrics(stats, {"anchor_distance": self.anchor.distance(self.policy)}, timings)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's full weights on CPU (for the rollout engines), one independent copy per name: tied weights
