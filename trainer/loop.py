@@ -23,6 +23,7 @@ import torch
 
 from agent.backend import SamplingParams
 from agent.diagnostics import repeated_search_rates
+from agent.failures import failed_searches
 from agent.seeds import rollout_seed
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
@@ -65,6 +66,7 @@ def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, f
         "rollout/zero_variance_groups": zero_variance_share([s.reward for s in scores], [t.group_id for t in trajs]),
         "rollout/repeated_search_rate": repeated_rate,
         "rollout/trajectories_with_repeated_search": with_repeats,
+        "rollout/failed_searches": failed_searches(trajs),  # a count, not a mean: each one is a retriever fault
     }
 
 
