@@ -20,6 +20,14 @@ PACKAGED_CORPUS = ARTIFACTS / "corpus" / "wiki-summaries.jsonl"
 DEFAULT_INDEX = ARTIFACTS / "indexes" / "wiki-minilm-flat"
 
 
+def _log_to(folder: Path) -> None:
+    """The engine's logs into the run's folder (made here), unless the console is verbose (emapg/console.py)."""
+    from emapg.console import log_to
+
+    folder.mkdir(parents=True, exist_ok=True)
+    log_to(folder)
+
+
 def _fail(message: str, to: Console = console) -> NoReturn:
     to.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
@@ -348,6 +356,7 @@ def eval_command(
                                               max_obs_tokens=max_obs_tokens, max_in_flight=max_in_flight,
                                               backend=backend))
     _ensure_index(index_dir, retriever_url)  # after every option is checked: building the default takes minutes
+    _log_to(out)
     with open_session(cfg) as session:
         tag = session.index_tag
         if subset == "answerable":
@@ -433,6 +442,7 @@ def sft(
     if cfg.rollout.mode != "agent":
         _fail("sft builds search demonstrations: rollout.mode must be agent")
     _ensure_index(cfg.retriever.index, cfg.retriever.url)
+    _log_to(cfg.sft_dir)
     with open_session(cfg) as session:
         examples = _train_questions(cfg, session.client, session.index_tag)
         tokenizer = session.tokenizer
@@ -460,6 +470,7 @@ def train(
 
     cfg = _run_config(ctx, config)
     _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
+    _log_to(cfg.run_dir)
     with open_session(cfg) as session:
         client = session.client
         examples = _train_questions(cfg, client, session.index_tag)
@@ -548,6 +559,7 @@ def compare(
     cfg = _run_config(ctx, config)
     cfg.retriever.index = index_dir
     _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
+    _log_to(cfg.run_dir)
     try:
         report = run_compare(cfg, init, eval_every, chosen, seed_list or None, declared or None)
     except ValueError as e:  # e.g. a plan.json that declares another family

@@ -2,7 +2,7 @@
 
 vLLM logs hundreds of INFO and WARNING lines per run (engine start-up, every weight sync, platform notes such as
 "libtcmalloc is not found" and "Triton is not installed"), in this process and in its EngineCore process. By
-default they go to `<run folder>/emapg.log` (before a run folder is known: artifacts/logs/emapg.log); only the
+default they go to `<run folder>/emapg.log` (before a run folder is known: <temp dir>/emapg/emapg.log); only the
 engine's errors still reach the console, beside our progress bars, stage headers and warnings.
 `emapg --verbose ...` or EMAPG_VERBOSE=1 leaves the engine's logging as vLLM sets it (everything on the console).
 
@@ -61,14 +61,13 @@ def logging_config(log_file: Path, level: str = "INFO") -> dict:
 
 def setup(verbose: bool = False, log_file: Path | None = None) -> bool:
     """Called once by the CLI before any command runs. Quiet (the default): engine logs to `log_file` (default
-    artifacts/logs/emapg.log until `log_to` names the run's folder). Returns whether the console is verbose."""
+    <temp dir>/emapg/emapg.log until `log_to` names the run's folder: a command that starts no run writes nothing in
+    the working folder). Returns whether the console is verbose."""
     global _config_path
     if verbose_requested(verbose):
         return True
     if log_file is None:
-        from emapg.workflow import ARTIFACTS
-
-        log_file = ARTIFACTS / "logs" / LOG_NAME
+        log_file = Path(tempfile.gettempdir()) / "emapg" / LOG_NAME
     if _config_path is None:
         fd, _config_path = tempfile.mkstemp(prefix="emapg-logging-", suffix=".json")
         os.close(fd)

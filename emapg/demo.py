@@ -15,8 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
+from emapg.console import log_to
 from emapg.session import open_session
 from emapg.workflow import build_sft_data, console, eval_examples, print_iteration, run_sft, train_examples
+from emapg.view import view_command
 from eval.report import EvalReport, plot_curves, plot_stages, pooled, stages_markdown
 
 RETRIEVAL_CHECK = ["who wrote pride and prejudice", "what is the capital of australia", "who painted the mona lisa"]
@@ -33,6 +35,7 @@ def run_demo(cfg) -> Path:
         console.print(f"removing the previous demo run {out}")
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    log_to(out)  # the engine's logs into the run folder (after the previous run's folder is gone)
     timings: dict[str, float] = {}
     stages: dict[str, EvalReport] = {}
     begin = time.perf_counter()
@@ -85,4 +88,5 @@ def run_demo(cfg) -> Path:
     attach_run_reports(cfg, [out / name for name in ("report.md", "report.json", "curves.png", "em.png")]
                        + sorted(out.glob("eval-*/report.*")) + sorted(out.glob("eval-*/em.png")))
     print(markdown)
+    console.print(f"inspect the run (trajectories, curves, side by side): {view_command(out)}")
     return out / "report.md"

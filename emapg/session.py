@@ -93,10 +93,12 @@ class Session:
         evaluation of the session share it. transformers samples from `policy` itself."""
         if self._backend is None:
             from agent.factory import open_backend
+            from emapg.console import engine_output_to_log
 
             policy = self.policy if self.cfg.rollout.backend == "transformers" else self._policy
-            self._backend = open_backend(self.cfg.rollout, self.cfg.model, self.tokenizer, policy,
-                                         dtype=self.cfg.dtype, seed=self.cfg.seed)
+            with engine_output_to_log():  # the engine's processes print around logging: into the run's log
+                self._backend = open_backend(self.cfg.rollout, self.cfg.model, self.tokenizer, policy,
+                                             dtype=self.cfg.dtype, seed=self.cfg.seed)
         return self._backend
 
     def agent(self, mode: Mode | None = None) -> RolloutAgent:

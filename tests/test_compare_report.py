@@ -125,7 +125,8 @@ def test_final_table_gives_each_model_its_steps_and_says_grpos_anchor_is_sft():
 
 
 def test_plot_takes_three_methods(tmp_path):
-    curves = {name: [{"iteration": i, "reward": 0.1 * i} for i in (1, 2)] for name in ("GRPO", "EMA-k3", "EMA-PG")}
+    curves = {name: [{"iteration": i, "rollout/reward": 0.1 * i} for i in (1, 2)]
+              for name in ("GRPO", "EMA-k3", "EMA-PG")}
     point = {"em": 0.2, "em_low": 0.1, "em_high": 0.3}
     plot_methods(curves, {name: [(0, point), (2, point)] for name in curves}, tmp_path / "compare.png")
     assert (tmp_path / "compare.png").stat().st_size > 0
