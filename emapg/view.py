@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from agent.diagnostics import repeated_searches
 from agent.trajectory import Trajectory, load_jsonl
 from eval.metrics import exact_match
 
@@ -117,17 +118,12 @@ def metric_series(path: Path) -> dict:
             "preferred": preferred}
 
 
-def normalized_query(query: str) -> str:
-    return " ".join(query.lower().split())
-
-
 def flags(traj: Trajectory) -> dict:
     """What the filters select on: wrong (EM 0), invalid format (no answer, or an invalid action on the way), the
-    number of searches, a query repeated (same words, case and spacing aside), truncated (a turn hit its token
-    limit)."""
-    queries = [normalized_query(t.query) for t in traj.turns if t.kind == "search" and t.query is not None]
+    number of searches, a repeated search (as the logged `rollout/repeated_search_rate` counts it: an earlier
+    search's query or documents again, agent.diagnostics), truncated (a turn hit its token limit)."""
     return {"wrong": not exact_match(traj.answer, traj.golden_answers), "invalid": not traj.well_formed,
-            "searches": traj.num_searches, "repeated": len(set(queries)) < len(queries),
+            "searches": traj.num_searches, "repeated": repeated_searches(traj) > 0,
             "truncated": any(t.finish_reason == "length" for t in traj.turns)}
 
 
