@@ -1,4 +1,4 @@
-"""KL estimators checked by exact enumeration over a small vocabulary (design.md §4), not by sampling.
+"""KL estimators checked by exact enumeration over a small vocabulary (docs/algorithm.md §4), not by sampling.
 
 Setup: V = 6 tokens, a few independent positions, each with its own random pi_theta (leaf logits that require
 grad), pi_ref and pi_old. For every position we evaluate an estimator at every possible sampled token p at once
@@ -90,7 +90,7 @@ def assert_far(actual: torch.Tensor, other: torch.Tensor, what: str, margin: flo
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sampled estimators: the table in design.md §4.
+# Sampled estimators: the table in docs/algorithm.md §4.
 
 EXPECTED_VALUE = {"k1": "reverse", "k2": None, "k3": "reverse", "k3pp": "reverse", "k4": "reverse", "k5": "forward"}
 EXPECTED_GRADIENT = {"k1": "zero", "k2": "reverse", "k3": "forward", "k3pp": "reverse", "k4": "reverse", "k5": "forward"}
@@ -173,7 +173,7 @@ def topk_inputs(
 ) -> dict:
     """topk_kl's arguments for the (V, POSITIONS) enumeration batch: row p samples token p at every position."""
     sampling_logits = old_logits if importance_weighted else theta.detach()
-    # q: the sampling policy's top-k for reverse, the anchor's for forward (design.md §4).
+    # q: the sampling policy's top-k for reverse, the anchor's for forward (docs/algorithm.md §4).
     head_source = sampling_logits if direction == "reverse" else ref_logits
     head_ids = head_source.topk(k, dim=-1).indices  # (POSITIONS, k)
     ref_logp = torch.log_softmax(ref_logits, -1)

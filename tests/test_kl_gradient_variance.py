@@ -3,8 +3,8 @@
 The reference enumerates the sampled token p one at a time: the estimator (trainer/kl.py, on the full logits, as the
 learner calls it) at token p, its gradient by autograd, then mean and variance over p weighted by the sampling
 distribution, all in float64. The diagnostic must agree with it (it evaluates the same estimators on a reduced
-vocabulary, to stay exact at V = 49,152), and its mean must be the gradient design.md §4 says the estimator follows:
-k3's is the forward KL's, Top-k's the reverse KL's (at any k), k1's is zero. k3's variance is also checked
+vocabulary, to stay exact at V = 49,152), and its mean must be the gradient docs/algorithm.md §4 says the estimator
+follows: k3's is the forward KL's, Top-k's the reverse KL's (at any k), k1's is zero. k3's variance is also checked
 against its closed form g(p) = s (1 - w(p)) (e_p - pi), which uses no code of the project.
 """
 
@@ -78,7 +78,7 @@ def test_moments_equal_one_token_at_a_time_enumeration(estimator, k, direction, 
         close(got.variance, variance, f"{estimator} k={k} {direction} variance (seed {seed})")
 
 
-# What design.md §4's table says each estimator's gradient follows, in expectation.
+# What docs/algorithm.md §4's table says each estimator's gradient follows, in expectation.
 FOLLOWS = {"k1": "zero", "k3": "forward", "k3pp": "reverse", "k4": "reverse", "k5": "forward"}
 
 

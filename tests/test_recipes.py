@@ -1,6 +1,6 @@
 """The GPU recipes load through the one typed config and say what they promise: vLLM rollouts, Ray placement that
 fits the GPUs they are written for, fp32 master weights under bf16 autocast, and (for the paper's) the paper's
-algorithm settings (design.md section 4)."""
+algorithm settings (docs/algorithm.md §4)."""
 
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ class DeltaLinear(nn.Module):
 
 
 class LoraEmaAnchor:
-    """The EMA anchor of a LoRA policy, exactly the EMA of its effective weights (design.md §6).
+    """The EMA anchor of a LoRA policy, exactly the EMA of its effective weights (docs/algorithm.md §6).
 
     The policy's adapted weight is W = W0 + s B A with W0 frozen; the anchor's is W0 + D, and every update is
     D <- tau D + (1 - tau) s B A (the EMA of W, since W0 never moves). D is dense: after n updates it is a sum of n

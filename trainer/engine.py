@@ -1,4 +1,4 @@
-"""The Engine a training run drives (design.md section 6): roll out, learn, sync weights, state, load state, init
+"""The Engine a training run drives (docs/algorithm.md §6): roll out, learn, sync weights, state, load state, init
 from a checkpoint. `LocalEngine` does it in this process; `trainer.distributed.RayEngine` on Ray actors (rollout
 workers, learner ranks). Both learn with `PolicyTrainer` and roll out with an agent from agent.factory.
 """

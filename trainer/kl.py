@@ -1,4 +1,4 @@
-"""Token-level KL estimators between the policy pi_theta and the anchor pi_ref (design.md §4).
+"""Token-level KL estimators between the policy pi_theta and the anchor pi_ref (docs/algorithm.md §4).
 
 Pure functions on per-token tensors: no masks, no reduction over tokens, no models. All math is in float32
 whatever the input dtype. Gradients flow only through the policy's side (`logprob` / `logits`); everything
@@ -205,7 +205,7 @@ def topk_kl_from_logprobs(
     iw_clip: float | None = None,
     gradient: str = "unbiased",
 ) -> Tensor:
-    """Top-k KL per token (design.md §4): exact on the head q, a sampled estimate on the tail, -> (...).
+    """Top-k KL per token (docs/algorithm.md §4): exact on the head q, a sampled estimate on the tail, -> (...).
 
     From all the estimator reads of the policy's logits: its log-probs (normalised over the full vocabulary) at the
     head ids and at the sampled token, the only inputs that carry gradient. So the learner can compute them chunk by

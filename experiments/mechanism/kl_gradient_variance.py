@@ -1,4 +1,5 @@
-"""The KL gradient's mean and variance over the sampled token, exactly, at given states (design.md §4's estimators).
+"""The KL gradient's mean and variance over the sampled token, exactly, at given states (the estimators of
+docs/algorithm.md §4).
 
 At a state (one position of a trajectory) the policy has logits z (V,), the anchor pi_ref, the sampling policy
 pi_old. The KL term of the loss is an estimator f(p; z) of the sampled token p ~ pi_old (trainer/kl.py), and its
