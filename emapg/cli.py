@@ -401,9 +401,9 @@ def _train_questions(cfg, client, tag: str) -> list:
         _fail(str(e))
 
 
-# MiniLM passages per second on 2 cores (docs/benchmarks.md): ~67 in bf16 where the CPU runs it natively (the index's
-# `--dtype auto`), ~21 in fp32 on CPUs without AVX-512.
-INDEX_RATES = {"bfloat16": 67, "float32": 21}
+# MiniLM passages per second on 2 cores with the default encoder (ONNX Runtime fp32 on a CPU): torch fp32 encodes
+# ~21/s on CPUs without AVX-512, and ONNX fp32 1.5x torch fp32 in the same run (docs/benchmarks.md, issue 35).
+DEFAULT_INDEX_RATE = 32
 PACKAGED_PASSAGES = 10_033
 
 
@@ -418,12 +418,11 @@ def _ensure_index(index_dir: Path, retriever_url=None, needs_retriever: bool = T
     if index_dir.resolve() not in (DEFAULT_INDEX.resolve(), RetrieverConfig().index.resolve()):
         _fail(f"no index at {index_dir} (no manifest.json): build it with `emapg index --out {index_dir}` or give a "
               "running retriever's URL")
-    from retriever.encoder import resolve_dtype
+    from retriever.encoder import resolve_backend
 
-    dtype = resolve_dtype("auto")
-    minutes = PACKAGED_PASSAGES / INDEX_RATES[dtype] / 60
+    minutes = PACKAGED_PASSAGES / DEFAULT_INDEX_RATE / 60
     console.rule(f"building the MiniLM index of {PACKAGED_PASSAGES:,} packaged Wikipedia passages in {index_dir} "
-                 f"({dtype}): about {minutes:.0f} minutes on 2 cores, once; later runs reuse it")
+                 f"({resolve_backend('auto')}): about {minutes:.0f} minutes on 2 cores, once; later runs reuse it")
     index(out=index_dir)
 
 
