@@ -321,9 +321,14 @@ def test_shared_prefix_passes_give_the_whole_rows_values_and_gradient(tiny_model
         learner.update(batch, torch.Generator().manual_seed(0))
         del mlp.forward
         # Whole-rows passes over this learner's micro-batches: what the update costs without sharing (x 2: the
-        # checkpointed backward runs each layer again).
+        # checkpointed backward runs each layer again, and the first micro-batch's once more: kl/grad_share's backward
+        # of the KL term alone).
         whole_rows = sum(len(r) * batch.select(r).input_ids.shape[1] for r in learner.micro_rows(batch))
-        tokens.append((prepare_tokens, sum(seen) - prepare_tokens, whole_rows * (2 if checkpointing else 1)))
+        mini = batch.select(torch.randperm(len(batch), generator=torch.Generator().manual_seed(0)))
+        first = learner.micro_rows(mini)[0]
+        share_backward = len(first) * mini.select(first).input_ids.shape[1] if checkpointing else 0
+        tokens.append((prepare_tokens, sum(seen) - prepare_tokens,
+                       whole_rows * (2 if checkpointing else 1) + share_backward))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         prepared.append((batch.old_logprobs, batch.ref_token_logprob, batch.topk_ids, batch.ref_topk_logprobs))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
