@@ -4,7 +4,6 @@ retriever killed and restarted mid-iteration, the vLLM engine process killed. Ea
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,12 @@ import pytest
 import torch
 from test_training import make_trainer, tiny_config
 
-from trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainer.loop import resume_or_start
 
 TESTS = Path(__file__).resolve().parent
@@ -114,8 +118,8 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk_is_refused_cleanly(tiny_disk
 
 
 QUESTION = "who wrote pride and prejudice?"
-SEARCHES = ["pride and prejudice", "jane austen"]
-MAX_OBS_TOKENS = 128
+SEARCHES = ["pride and prejudice"]
+MAX_OBS_TOKENS = 32  # short conversations: the memorising below takes seconds, not minutes
 
 
 class KillingSearcher:
@@ -158,41 +162,46 @@ class KillingSearcher:
 
 
 @pytest.fixture(scope="module")
-def search_policy(tiny_model, tokenizer, server_url):
-    """The tiny model after memorising a two-search trajectory through the real server: it searches twice, then
-    answers."""
+def search_policy(tiny_model, tokenizer, bm25_index_dir):
+    """The tiny model after memorising a one-search trajectory through the real (BM25: no encoder to load, so it
+    restarts in seconds) server: it searches, then answers."""
     from conftest import memorise_search_trajectory
 
-    return memorise_search_trajectory(tiny_model, tokenizer, server_url, QUESTION, SEARCHES, "Jane Austen",
-                                      MAX_OBS_TOKENS)
+    from retriever.process import running_server
+
+    with running_server(bm25_index_dir) as url:
+        return memorise_search_trajectory(tiny_model, tokenizer, url, QUESTION, SEARCHES, "Jane Austen",
+                                          MAX_OBS_TOKENS)
 
 
 def test_a_retriever_killed_and_restarted_mid_iteration_loses_no_trajectory(
-        tmp_path, search_policy, tokenizer, dense_index_dir):
-    """Iteration 1's second search (every trajectory's second turn) finds the server killed; it restarts on the same
-    port while the client retries (5 rounds, backoff 0.25 s doubling: ~8 s). Whatever the restart's timing, every
-    trajectory is kept, the searches that failed are exactly those whose call the client gave up on, each is recorded
-    on its turn and counted in `rollout/failed_searches`, and iteration 2 (after the restart) searches normally."""
+        tmp_path, search_policy, tokenizer, bm25_index_dir):
+    """Iteration 1's search (the rollout's first turn generated, its search pending) finds the server killed; it
+    restarts on the same port while the client retries (5 rounds, backoff 0.25 s doubling: ~8 s). Whatever the
+    restart's timing, every trajectory is kept, the searches that failed are exactly those whose call the client gave
+    up on, each is recorded on its turn and counted in `rollout/failed_searches`, and iteration 2 (after the
+    restart) searches normally."""
     import copy
+
+    from conftest import local_engine
+    from test_training import first_token_reward
 
     from agent.failures import failed_searches
     from agent.trajectory import load_jsonl
-    from conftest import local_engine
     from data.qa import QAExample
     from retriever.client import RetrieverClient
     from retriever.process import start_server
     from trainer.loop import Trainer
 
-    from test_training import first_token_reward
-
-    cfg = tiny_config(tmp_path, "train.iterations=2", "rollout.mode=agent", "rollout.max_turns=2",
-                      "rollout.max_tokens_per_turn=16", f"rollout.max_obs_tokens={MAX_OBS_TOKENS}",
-                      "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2", "train.mini_batch_size=4",
-                      "train.micro_batch_size=4", "rollout.max_in_flight=4")
+    cfg = tiny_config(tmp_path, "train.iterations=2", "rollout.mode=agent", "rollout.max_turns=1",
+                      "rollout.temperature=0", "rollout.max_tokens_per_turn=16",
+                      f"rollout.max_obs_tokens={MAX_OBS_TOKENS}", "train.prompts_per_iteration=2",
+                      "train.rollouts_per_prompt=2", "train.mini_batch_size=4", "train.micro_batch_size=4",
+                      "rollout.max_in_flight=4")
     examples = [QAExample(f"nq/train/{i}", "nq", "train", QUESTION, ("Jane Austen",), "t") for i in range(2)]
-    server = start_server(dense_index_dir)
+    server = start_server(bm25_index_dir)
     with RetrieverClient(server.url) as client:
-        searcher = KillingSearcher(client, server, dense_index_dir, kill_at=2)
+        searcher = KillingSearcher(client, server, bm25_index_dir, kill_at=1)
         policy = copy.deepcopy(search_policy)
         trainer = Trainer(cfg, local_engine(cfg, policy, tokenizer, retriever=searcher), tokenizer, examples,
                           reward_fn=first_token_reward)
