@@ -77,7 +77,7 @@ def engine_memory_gib() -> dict[str, float]:
 
 
 def cpu_kind() -> str:
-    from trainer.batch import native_bf16
+    from trainer.forward import native_bf16
 
     with open("/proc/cpuinfo") as f:
         name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")

@@ -23,7 +23,8 @@ import torch
 
 from agent.policy import load_policy, load_tokenizer
 from agent.trajectory import load_jsonl
-from trainer.batch import RolloutBatch, autocast, collate, response_logits
+from trainer.batch import RolloutBatch, collate
+from trainer.forward import autocast, response_logits
 from trainer.learner import micro_batch_shares, micro_batches
 from trainer.sft import sft_loss
 

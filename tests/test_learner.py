@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from agent.trajectory import Trajectory
-from trainer.batch import PreparedBatch, collate, response_logits
+from trainer.batch import PreparedBatch, collate
+from trainer.forward import response_logits
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.kl import gather_logprobs
@@ -353,21 +354,21 @@ def test_prepare_runs_only_the_passes_its_estimator_reads(tiny_model, tokenizer,
     """Per micro-batch: one policy pass, one anchor pass only where the estimator reads the anchor in prepare (not
     the exact KL, whose update pass reads it, nor with the KL off), and Top-k only for the Top-k estimators; the
     PreparedBatch holds nothing else. Counted by forward hooks on each decoder and a spy on the LM-head statistics."""
-    import trainer.batch
+    import trainer.forward
 
     model = copy.deepcopy(tiny_model)
     learner = make_learner(model, 2, "token-mean", estimator, f"kl.direction={direction}", "train.share_prefix=false")
     passes, topk_requests = [], []
     model.get_decoder().register_forward_hook(lambda *_: passes.append("policy"))
     learner.anchor_logits.model.get_decoder().register_forward_hook(lambda *_: passes.append("anchor"))
-    token_logprobs = trainer.batch.token_logprobs
+    token_logprobs = trainer.forward.token_logprobs
 
     def spy(hidden, head, ids, **options):
         if options.get("topk") is not None:
             topk_requests.append("policy" if head is model.get_output_embeddings() else "anchor")
         return token_logprobs(hidden, head, ids, **options)
 
-    monkeypatch.setattr(trainer.batch, "token_logprobs", spy)
+    monkeypatch.setattr(trainer.forward, "token_logprobs", spy)
     batch = learner.prepare(collate(ragged_trajectories(len(tokenizer)), torch.zeros(6), tokenizer.pad_token_id))
     micro = 3  # 6 rows, 2 per micro-batch
     assert passes.count("policy") == micro and passes.count("anchor") == anchor_passes * micro
@@ -478,6 +479,7 @@ def test_iw_clip_clamps_the_importance_weight_of_every_estimator_that_applies_on
     trajs = ragged_trajectories(len(tokenizer))
     kls = {}
     for clip in ("null", "0.5"):
+        torch.manual_seed(0)  # the same anchor for both (make_learner perturbs it at random)
         learner = make_learner(copy.deepcopy(tiny_model), 2, "token-mean", estimator, f"kl.iw_clip={clip}")
         batch = learner.prepare(collate(trajs, torch.zeros(6), tokenizer.pad_token_id))
         kls[clip] = learner.update(batch, torch.Generator().manual_seed(0))["kl"]

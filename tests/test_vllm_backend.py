@@ -27,7 +27,8 @@ from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import AsyncRetrieverClient, RetrieverClient
 from retriever.process import free_port
-from trainer.batch import collate, response_logits
+from trainer.batch import collate
+from trainer.forward import response_logits
 from trainer.config import load_config
 from trainer.kl import gather_logprobs
 from trainer.loop import Trainer

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.batch import ResponseLogprobs
+from trainer.forward import ResponseLogprobs
 
 
 class OneProcess:

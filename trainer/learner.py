@@ -22,17 +22,11 @@ import torch
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import (
-    PreparedBatch,
-    ResponseLogprobs,
-    RolloutBatch,
-    autocast,
-    prefix_micro_batches,
-    scatter_tokens,
-)
+from trainer.batch import PreparedBatch, RolloutBatch, prefix_micro_batches, scatter_tokens
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
 from trainer.data_parallel import data_parallel
 from trainer.ema import EmaAnchor, LoraEmaAnchor
+from trainer.forward import ResponseLogprobs, autocast
 from trainer.guard import StepGuard
 from trainer.kl import KLInputs
 from trainer.logprobs import TokenLogprobs

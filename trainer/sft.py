@@ -19,7 +19,8 @@ from torch import Tensor
 from transformers import get_constant_schedule_with_warmup
 
 from agent.trajectory import Trajectory
-from trainer.batch import autocast, collate, response_logits
+from trainer.batch import collate
+from trainer.forward import autocast, response_logits
 from trainer.bookkeeping import PromptSampler, RunLogger
 from trainer.checkpoint import Checkpoint, rng_state, save_checkpoint
 from trainer.config import TrainConfig

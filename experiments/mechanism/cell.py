@@ -32,7 +32,8 @@ from experiments.mechanism.kl_gradient_variance import kl_gradient_moments
 from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
 from experiments.mechanism.sweep import Cell, StudyConfig, train_overrides
 from retriever.client import RetrieverError
-from trainer.batch import collate, response_logits
+from trainer.batch import collate
+from trainer.forward import response_logits
 from trainer.bookkeeping import FLAT_NAMES
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
