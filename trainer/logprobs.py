@@ -1,4 +1,5 @@
-"""Per-token log-prob statistics through the LM head, chunk by chunk over tokens (design.md §6, "Chunked log-probs").
+"""Per-token log-prob statistics through the LM head, chunk by chunk over tokens (docs/algorithm.md §6, "Chunked
+log-probs").
 
 Per model token the learner needs a few numbers from the V-wide logits z = W h / temperature, never z itself:
 
