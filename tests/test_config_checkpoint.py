@@ -37,6 +37,18 @@ def test_overrides_and_errors_name_the_field(tmp_path):
         load_config(bad)
 
 
+def test_a_renamed_key_is_refused_with_its_new_name():
+    """rollout.batch_size became rollout.max_in_flight: an old config fails naming the new key (never a silent
+    default), and the agent's settings are the config's rollout section itself."""
+    from agent.settings import RolloutSettings
+
+    with pytest.raises(ConfigError, match=r"rollout\.batch_size was renamed rollout\.max_in_flight"):
+        load_config(overrides=["rollout.batch_size=16"])
+    cfg = load_config(overrides=["rollout.max_in_flight=16"])
+    assert isinstance(cfg.rollout, RolloutSettings) and cfg.rollout.max_in_flight == 16
+    assert RolloutSettings().max_in_flight == 32  # one default, for training and evaluation alike
+
+
 def tiny_state():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
