@@ -244,22 +244,23 @@ def test_a_nan_in_one_micro_batch_leaves_weights_anchor_and_optimizer_bit_identi
 
 
 class FakeNanGradientOnce:
-    """A fake fault (a tensor hook): the first gradient through a weight is NaN; every loss stays finite."""
+    """A fake fault (a post-accumulate hook): the first gradient accumulated into a weight's .grad is NaN; every loss
+    stays finite. After accumulation, not on the gradient's way: the learner's kl/grad_share diagnostic takes
+    gradients of the KL term with torch.autograd.grad (nothing accumulated), and must not use up the fault."""
 
     def __init__(self):
         self.fired = False
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.fired:
-            return grad
-        self.fired = True
-        return torch.full_like(grad, NAN)
+    def __call__(self, param: torch.Tensor) -> None:
+        if not self.fired:
+            self.fired = True
+            param.grad.fill_(NAN)
 
 
 def test_a_fake_nan_gradient_is_caught_by_the_gradient_norm(tiny_model, tokenizer):
     cfg = learner_config("train.mini_batch_size=3", "train.micro_batch_size=1", "train.warmup_steps=0")
     trainer = PolicyTrainer(cfg, copy.deepcopy(tiny_model))
-    trainer.policy.get_input_embeddings().weight.register_hook(FakeNanGradientOnce())
+    trainer.policy.get_input_embeddings().weight.register_post_accumulate_grad_hook(FakeNanGradientOnce())
     before = copy.deepcopy(trainer.policy.state_dict())
     stats = trainer.train_step(collate(ragged_trajectories(len(tokenizer)),
                                        torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), tokenizer.pad_token_id), 1)
