@@ -30,3 +30,21 @@ def test_the_config_reads_the_sets_and_index_where_prepare_writes_them():
     assert cfg.data.train == ["kb:train"] and cfg.data.eval == ["kb-2hop:test"] and cfg.data.subset == "full"
     assert cfg.data.flashrag_root == cfg.out_dir / "flashrag" and cfg.retriever.index == cfg.out_dir / "index"
     assert cfg.retriever.topk == 1  # the answer ends its one document (kb.py)
+
+
+def test_beta_rule_takes_the_smallest_candidate_in_the_band_else_the_closest_to_0_2_in_log():
+    from experiments.two_hop.calibrate import choose_beta
+
+    assert choose_beta({0.01: 0.02, 0.03: 0.12, 0.1: 0.25, 0.3: 0.9})[0] == 0.03
+    assert choose_beta({0.01: 0.30, 0.03: 0.10})[0] == 0.01  # the band's ends are inside it
+    # None inside: 0.05 is 1.39 from 0.2 in log, 0.9 is 1.50, so 0.03 (share 0.05) wins over 0.3 (share 0.9).
+    assert choose_beta({0.01: 0.02, 0.03: 0.05, 0.3: 0.9})[0] == 0.03
+
+
+def test_calibration_reads_iterations_2_to_5_and_their_last_line():
+    from experiments.two_hop.calibrate import mean_share
+
+    rows = [{"iteration": i, "kl/grad_share": 0.0 if i == 1 else 0.1 * i} for i in range(1, 6)]
+    rows.append({"iteration": 5, "kl/grad_share": 0.9})  # a resumed run logs iteration 5 again: the last line counts
+    assert abs(mean_share(rows) - (0.2 + 0.3 + 0.4 + 0.9) / 4) < 1e-12
+    assert mean_share(rows[:4]) is None  # iteration 5 missing
