@@ -17,6 +17,10 @@ the encoder fed whole batches, our batching's ceiling).
 
     python benchmarks/retriever_vs_search_r1.py --search-r1 /work/.mirror/PeterGriffinJin+Search-R1/repo \
         [--index artifacts/indexes/wiki-minilm-flat] [--ours auto,torch] [--window-s 20] [--rounds 2]
+
+Each `--ours` entry is an `--encoder-backend` value, optionally followed by more `emapg serve` options ("auto
+--access-log"): variants of our server measured one after another in the same run. Without `--search-r1` only ours
+run, and each variant is compared with the first (ABA: list the first again last).
 """
 
 from __future__ import annotations
@@ -173,9 +177,11 @@ def measure_search_r1(server: Path, index: Path, window_s: float, rounds: int, s
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--search-r1", type=Path, required=True, help="git dir of a Search-R1 mirror (read-only is fine)")
+    ap.add_argument("--search-r1", type=Path, help="git dir of a Search-R1 mirror (read-only is fine); omit to "
+                    "compare our variants only")
     ap.add_argument("--index", type=Path, default=Path("artifacts/indexes/wiki-minilm-flat"))
-    ap.add_argument("--ours", default="auto", help="our server's --encoder-backend values, comma-separated")
+    ap.add_argument("--ours", default="auto", help="our server's variants, comma-separated: an --encoder-backend "
+                    "value, then any other `emapg serve` options")
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
@@ -186,22 +192,32 @@ def main() -> None:
         raise SystemExit(f"--index: {args.index} has no copied corpus.jsonl (build it without --no-copy-corpus)")
     stream = question_stream(20_000)
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        results["search_r1_fp32"] = measure_search_r1(
-            search_r1_server(args.search_r1, Path(tmp)), args.index, args.window_s, args.rounds, stream
-        )
-    for backend in args.ours.split(","):
-        with running_server(args.index, "--cache-size", "0", "--encoder-backend", backend) as url:
-            results[f"ours_{backend}"] = measure(url, args.window_s, args.rounds, stream)
-    theirs = results["search_r1_fp32"]
+    if args.search_r1 is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["search_r1_fp32"] = measure_search_r1(
+                search_r1_server(args.search_r1, Path(tmp)), args.index, args.window_s, args.rounds, stream
+            )
+    variants = [v.split() for v in args.ours.split(",")]
+    names = [f"ours_{'_'.join(v).replace('--', '')}" for v in variants]
+    for variant, name in zip(variants, names, strict=True):
+        key = name if name not in results else f"{name}_again"  # ABA: the first variant listed again
+        with running_server(args.index, "--cache-size", "0", "--encoder-backend", *variant) as url:
+            results[key] = measure(url, args.window_s, args.rounds, stream)
     ratios = {}
-    for backend in args.ours.split(","):
-        ours = results[f"ours_{backend}"]
-        ratios[backend] = {
-            **{f"{s}_vs_search_r1": round(ours[s]["queries_per_s"] / theirs[s]["queries_per_s"], 2) for s in SCENARIOS},
+    for name in dict.fromkeys(k for k in results if k.startswith("ours_")):
+        ours = results[name]
+        ratios[name] = {
             "c32_vs_own_b256": round(ours["c32"]["queries_per_s"] / ours["b256"]["queries_per_s"], 2),
-            "c32_p99_vs_search_r1": round(ours["c32"]["p99_ms"] / theirs["c32"]["p99_ms"], 2),
+            **{f"{s}_vs_{names[0]}": round(ours[s]["queries_per_s"] / results[names[0]][s]["queries_per_s"], 2)
+               for s in SCENARIOS if name != names[0]},
         }
+        if "search_r1_fp32" in results:
+            theirs = results["search_r1_fp32"]
+            ratios[name] |= {
+                **{f"{s}_vs_search_r1": round(ours[s]["queries_per_s"] / theirs[s]["queries_per_s"], 2)
+                   for s in SCENARIOS},
+                "c32_p99_vs_search_r1": round(ours["c32"]["p99_ms"] / theirs["c32"]["p99_ms"], 2),
+            }
     print(json.dumps({
         "benchmark": "retriever_vs_search_r1", "index": str(args.index), "passage_backend":
         manifest.encoder.passage_backend, "window_s": args.window_s, "rounds": args.rounds,

@@ -133,6 +133,7 @@ def serve(
     search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
     workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each loading its own copy of "
                                          "the index (memory x N) and batching on its own; /metrics is per process")] = 1,
+    access_log: Annotated[bool, typer.Option(help="log one line per request (off: /metrics counts them)")] = False,
 ) -> None:
     """Serve Search-R1's POST /retrieve over an index folder. To scale out past one machine, run replicas (this
     command on other ports or hosts, same index) and give clients all their URLs: `emapg eval --retriever-url A
@@ -151,7 +152,7 @@ def serve(
             max_batch_queries=max_batch_queries, max_wait_ms=max_wait_ms, cache_size=cache_size,
             search_threads=search_threads, device=device, query_dtype=query_dtype, encoder_backend=encoder_backend,
             gpu_index=gpu,
-            search_params=search_params, workers=workers,
+            search_params=search_params, workers=workers, access_log=access_log,
         )
         run_server(settings)
     except ValidationError as e:

@@ -67,6 +67,9 @@ class ServerSettings(BaseModel):
     gpu_index: bool = False
     search_params: str | None = None
     workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
+    # One log line per request costs ~10% of the throughput of 32 single-query clients on 2 cores
+    # (docs/benchmarks.md); /metrics counts requests and latencies without it.
+    access_log: bool = False
     token: str | None = Field(default=None, repr=False)
 
     @property
@@ -127,7 +130,8 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
     app.state.searcher = searcher
     bearer = HTTPBearer(auto_error=False)
 
-    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    # async: FastAPI runs a plain-def dependency on its thread pool, one thread hop per request.
+    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if settings.token is None:
             return
         if credentials is None or not secrets.compare_digest(credentials.credentials, settings.token):
@@ -242,11 +246,12 @@ def serve(settings: ServerSettings) -> None:
     import uvicorn
 
     if settings.workers == 1:
-        uvicorn.run(app_from_settings(settings), host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(app_from_settings(settings), host=settings.host, port=settings.port, log_level="info",
+                    access_log=settings.access_log)
         return
     check_index_folder(settings)
     os.environ[SETTINGS_ENV] = settings.model_dump_json()
     uvicorn.run(
         "retriever.server:app_from_environment", factory=True, workers=settings.workers, host=settings.host,
-        port=settings.port, log_level="info",
+        port=settings.port, log_level="info", access_log=settings.access_log,
     )

@@ -114,3 +114,14 @@ def test_binds_to_loopback_by_default():
     from retriever.server import ServerSettings
 
     assert ServerSettings(index=".").host == "127.0.0.1"
+
+
+def test_access_log_is_off_unless_asked_for(dense_index_dir, tmp_path):
+    """One line per request is off by default (/metrics counts requests); `--access-log` turns it on."""
+    from retriever.process import running_server
+
+    for extra, expected in (((), False), (("--access-log",), True)):
+        log = tmp_path / f"server{len(extra)}.log"
+        with running_server(dense_index_dir, *extra, log=log) as url:
+            assert post(url, {"queries": ["x"]}).status_code == 200
+        assert ('"POST /retrieve HTTP/1.1" 200' in log.read_text()) is expected
