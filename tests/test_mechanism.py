@@ -189,14 +189,15 @@ def test_grid_is_two_slices_seed_major():
     assert all(Cell.parse(c.name) == c for c in cells)
 
 
-@pytest.mark.parametrize("method", ["grpo", "ema-k3", "ema-topk"])
+@pytest.mark.parametrize("method", ["grpo", "ema-k3", "ema-topk", "grpo-k3c"])
 def test_cell_overrides_make_a_valid_train_config_that_differs_only_by_method(method):
     study = study_config("study")
     cell = Cell(method, 3e-3, 0.5, 2)
     cfg = load_config(overrides=train_overrides(study, cell))
     assert (cfg.train.lr, cfg.kl.beta, cfg.seed, cfg.rollout.backend) == (3e-3, 0.5, 2, "transformers")
-    assert cfg.ema.tau == (1.0 if method == "grpo" else study.rl.ema_tau)
-    assert cfg.kl.estimator == ("topk" if method == "ema-topk" else "k3")
+    assert cfg.ema.tau == (1.0 if method.startswith("grpo") else study.rl.ema_tau)
+    assert cfg.kl.estimator == {"ema-topk": "topk", "grpo-k3c": "k3_clamped"}.get(method, "k3")
+    assert cfg.kl.importance_weight is (method != "grpo-k3c")  # the authors' baseline weighs nothing
     assert cfg.train.iterations == study.rl.iterations == cfg.checkpoint.every
 
 

@@ -111,7 +111,7 @@ def load_test(out: Path, study: StudyConfig):
 def main(
     out: Annotated[Path, typer.Option(help="the study's folder (resumed when it exists)")] = Path("artifacts/mechanism"),
     preset: Annotated[str, typer.Option(help=f"setup size: {', '.join(PRESETS)}")] = "study",
-    methods: Annotated[str | None, typer.Option(help="comma-separated: grpo,ema-k3,ema-topk")] = None,
+    methods: Annotated[str | None, typer.Option(help="comma-separated: grpo,ema-k3,ema-topk,grpo-k3c")] = None,
     lrs: Annotated[str | None, typer.Option(help="comma-separated learning rates (the lr slice)")] = None,
     betas: Annotated[str | None, typer.Option(help="comma-separated betas (the beta slice)")] = None,
     lr_at: Annotated[float | None, typer.Option(help="the beta slice's learning rate")] = None,
