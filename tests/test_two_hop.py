@@ -41,10 +41,16 @@ def test_beta_rule_takes_the_smallest_candidate_in_the_band_else_the_closest_to_
     assert choose_beta({0.01: 0.02, 0.03: 0.05, 0.3: 0.9})[0] == 0.03
 
 
-def test_calibration_reads_iterations_2_to_5_and_their_last_line():
-    from experiments.two_hop.calibrate import mean_share
+def test_calibration_reads_iterations_2_to_5_and_their_last_line_and_leaves_out_those_without_policy_gradient():
+    import math
+
+    from experiments.two_hop.calibrate import choose_beta, iteration_shares, mean_share
 
     rows = [{"iteration": i, "kl/grad_share": 0.0 if i == 1 else 0.1 * i} for i in range(1, 6)]
     rows.append({"iteration": 5, "kl/grad_share": 0.9})  # a resumed run logs iteration 5 again: the last line counts
-    assert abs(mean_share(rows) - (0.2 + 0.3 + 0.4 + 0.9) / 4) < 1e-12
-    assert mean_share(rows[:4]) is None  # iteration 5 missing
+    assert iteration_shares(rows) == [0.2, 0.30000000000000004, 0.4, 0.9]
+    assert iteration_shares(rows[:4]) is None  # iteration 5 missing
+    # Every advantage 0 on the first micro-batch: no policy gradient, an infinite share, left out of the mean.
+    assert mean_share([0.2, math.inf, 0.4, math.inf]) == 0.30000000000000004
+    assert math.isnan(mean_share([math.inf] * 4))
+    assert choose_beta({0.01: math.nan, 0.1: 0.5, 0.3: 2.0})[0] == 0.1  # a candidate with no finite share is out

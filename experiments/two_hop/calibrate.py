@@ -5,7 +5,8 @@
 For every candidate beta, GRPO-k3c (the arm whose anchor stays at the start: trainer/methods.py) trains 5 iterations
 from the study's SFT start at seed 0 (`emapg train`, one process after another: each run is a prefix of a full run,
 the schedule being constant), into <out>/calibration/beta-<b>/. The KL term's share of the gradient, `kl/grad_share`,
-is averaged over iterations 2-5 (at iteration 1 the anchor equals the policy and every KL gradient is exactly 0).
+is averaged over iterations 2-5 (at iteration 1 the anchor equals the policy and every KL gradient is exactly 0),
+leaving out iterations without a policy gradient (every group's rewards equal: the share is infinite there).
 beta* is the smallest candidate whose mean share lies in [0.10, 0.30]; if none does, the one closest to 0.2 on a log
 scale. Writes <out>/calibration/calibration.json and .md: every candidate's shares, iteration times and the choice.
 """
@@ -32,21 +33,33 @@ READ_FROM = 2  # the first iteration whose share is read
 ARM = "GRPO-k3c"
 
 
-def mean_share(metrics: list[dict]) -> float | None:
-    """kl/grad_share averaged over iterations READ_FROM..ITERATIONS (each iteration's last line), None if missing."""
+def iteration_shares(metrics: list[dict]) -> list[float] | None:
+    """kl/grad_share of iterations READ_FROM..ITERATIONS (each iteration's last line), None if one is missing."""
     last = {m["iteration"]: m for m in metrics}
     shares = [last[i].get("kl/grad_share") for i in range(READ_FROM, ITERATIONS + 1) if i in last]
     if len(shares) < ITERATIONS - READ_FROM + 1 or any(s is None for s in shares):
         return None
-    return sum(shares) / len(shares)
+    return shares
+
+
+def mean_share(shares: list[float]) -> float:
+    """The mean over the iterations with a policy gradient. When every trajectory of an iteration's first micro-batch
+    has advantage 0 (its group's rewards all equal), the policy-gradient part is 0 and the share infinite: they say nothing
+    about the KL term's weight against the policy gradient and are left out (the plan did not foresee them; its
+    deviations section says so). nan when no iteration had a policy gradient."""
+    finite = [s for s in shares if math.isfinite(s)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def choose_beta(shares: dict[float, float]) -> tuple[float, str]:
     """The plan's rule over the measured mean shares: (beta*, why)."""
-    inside = sorted(b for b, s in shares.items() if BAND[0] <= s <= BAND[1])
+    measured = {b: s for b, s in shares.items() if math.isfinite(s)}
+    if not measured:
+        raise ValueError("no candidate had an iteration with a policy gradient: no share to choose by")
+    inside = sorted(b for b, s in measured.items() if BAND[0] <= s <= BAND[1])
     if inside:
         return inside[0], f"the smallest candidate with a mean share in [{BAND[0]}, {BAND[1]}]"
-    closest = min(shares, key=lambda b: abs(math.log(max(shares[b], 1e-12)) - math.log(0.2)))
+    closest = min(measured, key=lambda b: abs(math.log(max(measured[b], 1e-12)) - math.log(0.2)))
     return closest, "no candidate in the band: the one closest to 0.2 on a log scale"
 
 
@@ -71,17 +84,20 @@ def main(
     for beta in CANDIDATES:
         run_dir = out / "calibration" / f"beta-{beta:g}"
         metrics = read_metrics(run_dir / "metrics.jsonl")
-        if mean_share(metrics) is None:
+        if iteration_shares(metrics) is None:
             train_candidate(beta, run_dir, config, init, out)
             metrics = read_metrics(run_dir / "metrics.jsonl")
-        last = {m["iteration"]: m for m in metrics}
-        share = mean_share(metrics)
-        if share is None:
+        shares = iteration_shares(metrics)
+        if shares is None:
             raise SystemExit(f"{run_dir}: no kl/grad_share for iterations {READ_FROM}-{ITERATIONS}")
-        rows.append({"beta": beta, "mean_share": share,
+        last = {m["iteration"]: m for m in metrics}
+        rows.append({"beta": beta, "mean_share": mean_share(shares),
+                     "iterations_with_policy_gradient": sum(math.isfinite(s) for s in shares),
                      "shares": [last[i]["kl/grad_share"] for i in range(1, ITERATIONS + 1)],
                      "kl": [last[i].get("kl/anchor") for i in range(1, ITERATIONS + 1)],
                      "reward": [last[i].get("rollout/reward") for i in range(1, ITERATIONS + 1)],
+                     "zero_variance_groups": [last[i].get("rollout/zero_variance_groups")
+                                              for i in range(1, ITERATIONS + 1)],
                      "iteration_s": [sum(v for k, v in last[i].items() if k.startswith("time/"))
                                      for i in range(1, ITERATIONS + 1)]})
     beta, why = choose_beta({r["beta"]: r["mean_share"] for r in rows})
@@ -90,8 +106,11 @@ def main(
     folder = out / "calibration"
     (folder / "calibration.json").write_text(json.dumps(result, indent=1))
     lines = [f"beta* = {beta:g} ({why}); {ARM}, seed 0, from the SFT start, {ITERATIONS} iterations per candidate",
-             "", "| beta | mean kl/grad_share, it. 2-5 | per iteration (1-5) | s / iteration |", "|---|---|---|---|"]
-    lines += [f"| {r['beta']:g} | {r['mean_share']:.4f} | {', '.join(f'{s:.4f}' for s in r['shares'])} | "
+             "", ("| beta | mean kl/grad_share, it. 2-5 with a policy gradient | of 4 | per iteration (1-5) | "
+                  "equal-reward groups (1-5) | s / iteration |"), "|---|---|---|---|---|---|"]
+    lines += [f"| {r['beta']:g} | {r['mean_share']:.4f} | {r['iterations_with_policy_gradient']} | "
+              f"{', '.join(f'{s:.4f}' for s in r['shares'])} | "
+              f"{', '.join(f'{z:.2f}' for z in r['zero_variance_groups'])} | "
               f"{sum(r['iteration_s']) / len(r['iteration_s']):.0f} |" for r in rows]
     (folder / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
