@@ -228,7 +228,7 @@ def test_the_command_line_takes_the_final_iteration_from_the_config_unless_given
     given = runner.invoke(app, ["--out", str(fake_study), "--iterations", "4"])
     assert given.exit_code == 0, given.output
     assert "- EMA-PG: seed 2" in given.output and "4 of 6 runs finished" in given.output
-    # configs/two_hop.yaml trains 40 iterations: no eval-0040 in the fake study, so nothing has finished.
+    # configs/two_hop.yaml trains more than 4 iterations: the fake study has no such evaluation, so nothing finished.
     default = runner.invoke(app, ["--out", str(fake_study)])
     assert default.exit_code == 0, default.output
     assert "0 of 6 runs finished" in default.output and "- GRPO-k3c: seeds 0, 1, 2" in default.output
