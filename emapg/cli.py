@@ -65,7 +65,8 @@ def index(
     kind: Annotated[str, typer.Option(help="dense (FAISS) or bm25")] = "dense",
     encoder: Annotated[str, typer.Option(help="preset (minilm, e5-base-v2), hub id or local folder")] = "minilm",
     factory: Annotated[str, typer.Option(help="FAISS index factory string: Flat, HNSW32, IVF4096,PQ64, ...")] = "Flat",
-    batch_size: Annotated[int, typer.Option(min=1)] = 128,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="passages per encoder call; default 32 on a CPU, "
+                                                   "128 on a GPU")] = None,
     train_size: Annotated[int, typer.Option(min=1, help="vectors sampled to train IVF/PQ indexes")] = 100_000,
     copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the index folder (off for wiki-18)")] = True,
     device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",

@@ -72,7 +72,7 @@ def build_dense_index(
     *,
     encoder: str = "minilm",
     factory: str = "Flat",
-    batch_size: int = 128,
+    batch_size: int | None = None,
     chunk_size: int = 1024,
     train_size: int = 100_000,
     copy_corpus: bool = True,
@@ -84,8 +84,12 @@ def build_dense_index(
 ) -> Manifest:
     """Encode every passage of `corpus` and write an index folder at `out`. bfloat16 encodes ~2x faster on CPUs
     with AVX512-BF16/AMX (passage cosine to fp32 >= 0.998 with MiniLM; recall in docs/benchmarks.md); `backend`
-    (retriever/encoder.py BACKENDS, or auto) is what runs the encoder, recorded in the manifest."""
+    (retriever/encoder.py BACKENDS, or auto) is what runs the encoder, recorded in the manifest. `batch_size`
+    None: 32 on a CPU, 128 on a GPU."""
     out = Path(out)
+    # Each chunk is sorted by length, so small batches pad little: on a CPU, 32 encoded 1.2x (onnx) and 1.1x (torch)
+    # more passages/s than 128 (docs/benchmarks.md, "Encoder backends"); a GPU wants the larger batch.
+    batch_size = batch_size or (32 if device == "cpu" else 128)
     enc = Encoder(resolve_encoder(encoder), device=device, dtype=dtype, backend=backend)
     index = new_faiss_index(enc.dim, factory)  # fail on a bad factory string before any encoding
     tmp = building_folder(out, overwrite)

@@ -61,6 +61,25 @@ def test_onnx_fp32_matches_torch_and_exports_offline(torch_encoder, monkeypatch)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
+def test_the_export_traces_eager_attention_and_leaves_the_model_as_it_was(torch_encoder, tmp_path, monkeypatch):
+    from retriever import onnx_encoder
+
+    transformer = torch_encoder.model[0].auto_model
+    before = transformer.config._attn_implementation
+    traced_with = []
+
+    def fake_export(*args, **kwargs):  # a fake exporter: records the attention the real one would trace
+        traced_with.append(transformer.config._attn_implementation)
+        raise RuntimeError("fake export failed")
+
+    monkeypatch.setattr(onnx_encoder.torch.onnx, "export", fake_export)
+    with pytest.raises(RuntimeError, match="fake export failed"):
+        onnx_encoder.export_onnx(torch_encoder.model, tmp_path / "m.onnx")
+    assert traced_with == ["eager"]  # ONNX Runtime runs it faster than SDPA's trace (docs/benchmarks.md)
+    assert transformer.config._attn_implementation == before  # restored, even when the export fails
+    assert not (tmp_path / "m.onnx").exists() and not list(tmp_path.glob("*.tmp"))
+
+
 @pytest.mark.slow
 def test_onnx_int8_stays_close_to_torch_and_is_cached_beside_the_model(torch_encoder):
     int8 = Encoder(resolve_encoder("minilm"), backend="onnx-int8")
