@@ -508,15 +508,16 @@ def train(
 def demo(
     ctx: typer.Context,
     config: Annotated[Path, typer.Option(help="the run's config")] = Path("configs/cpu_demo.yaml"),
-    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+    index_dir: Annotated[Path | None, typer.Option("--index", help="index folder (built if missing); default: "
+                                                   "the config's retriever.index")] = None,
 ) -> None:
     """The whole job on the CPU default: index, serve, evaluate the base model, SFT warm start, evaluate, EMA-PG,
     evaluate, report (table with 95% CIs, training curves). Overrides as key=value."""
     from emapg.demo import run_demo
 
     cfg = _run_config(ctx, config)
-    cfg.retriever.index = index_dir
-    _ensure_index(index_dir, cfg.retriever.url)
+    cfg.retriever.index = index_dir or cfg.retriever.index
+    _ensure_index(cfg.retriever.index, cfg.retriever.url)
     report = run_demo(cfg)
     console.print(f"report: {report}")
 
@@ -530,7 +531,8 @@ def compare(
     eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations and at the end")] = 10,
     methods: Annotated[str, typer.Option(help="comma-separated methods to run: GRPO (fixed reference, k3), EMA-k3 "
                                          "(EMA anchor, k3), EMA-PG (EMA anchor, Top-k)")] = "GRPO,EMA-k3,EMA-PG",
-    index_dir: Annotated[Path, typer.Option("--index", help="index folder (built if missing)")] = DEFAULT_INDEX,
+    index_dir: Annotated[Path | None, typer.Option("--index", help="index folder (built if missing); default: "
+                                                   "the config's retriever.index")] = None,
     seeds: Annotated[str, typer.Option(help="comma-separated training seeds (e.g. 0,1,2,3): every method once per "
                                        "seed, and a report testing the methods across seeds (exact sign-flip, "
                                        "bootstrap, Holm); default: one run at the config's seed")] = "",
@@ -558,8 +560,8 @@ def compare(
         if len(pair) != 2 or not set(pair) <= set(chosen) or pair[0] == pair[1]:
             _fail(f"--compare: {':'.join(pair)!r} must be A:B, two different methods of {chosen}")
     cfg = _run_config(ctx, config)
-    cfg.retriever.index = index_dir
-    _ensure_index(index_dir, cfg.retriever.url, cfg.rollout.mode != "direct")
+    cfg.retriever.index = index_dir or cfg.retriever.index
+    _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
     _log_to(cfg.run_dir)
     try:
         report = run_compare(cfg, init, eval_every, chosen, seed_list or None, declared or None)

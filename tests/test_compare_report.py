@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -394,3 +395,26 @@ def test_every_method_in_the_table_makes_a_valid_config_that_differs_only_in_its
         assert (made.ema.tau == 1.0) == method.fixed_reference
     assert variant_config(cfg, "GRPO-floor").kl.beta == 0.001 and variant_config(cfg, "EMA-PG-released").kl.estimator \
         == "topk_released"
+
+
+def test_compare_and_demo_serve_the_configs_index_unless_index_is_given(tmp_path, monkeypatch):
+    """`--index` used to default to the packaged dense index and so override a config's retriever.index (the two-hop
+    study's BM25 index); now it overrides only when given."""
+    from typer.testing import CliRunner
+
+    import emapg.cli as cli
+    import emapg.compare
+    import emapg.demo
+
+    served = []  # a fake run: records the index the command would serve, runs nothing
+    monkeypatch.setattr(cli, "_ensure_index", lambda index, *rest: served.append(index))
+    monkeypatch.setattr(cli, "_log_to", lambda run_dir: None)
+    monkeypatch.setattr(emapg.compare, "run_compare", lambda cfg, *rest: served.append(cfg.retriever.index) or tmp_path)
+    monkeypatch.setattr(emapg.demo, "run_demo", lambda cfg: served.append(cfg.retriever.index) or tmp_path)
+    config, own = "configs/two_hop.yaml", Path("artifacts/two-hop/index")
+    for command in ("compare", "demo"):
+        for extra, want in (([], own), (["--index", str(tmp_path / "other")], tmp_path / "other")):
+            served.clear()
+            result = CliRunner().invoke(cli.app, [command, "--config", config, *extra, f"out_dir={tmp_path}"])
+            assert result.exit_code == 0, result.output
+            assert served == [want, want], (command, extra, served)
