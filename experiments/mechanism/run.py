@@ -167,6 +167,8 @@ def run_sweep(out: Path, study: StudyConfig, max_cells: int | None) -> None:
         test = load_test(out, study)
         started = time.perf_counter()
         for done, cell in enumerate(todo[:max_cells] if max_cells is not None else todo, 1):
+            if cell.result_path(out).exists():  # another process running other seeds into --out finished it
+                continue
             result = run_cell(study, cell, out=out, tokenizer=tokenizer, retriever_url=url, retriever=client,
                               sft_weights=weights, train=train, test=test)
             per_cell = (time.perf_counter() - started) / done
