@@ -232,3 +232,12 @@ def test_the_command_line_takes_the_final_iteration_from_the_config_unless_given
     default = runner.invoke(app, ["--out", str(fake_study)])
     assert default.exit_code == 0, default.output
     assert "0 of 6 runs finished" in default.output and "- GRPO-k3c: seeds 0, 1, 2" in default.output
+
+
+def test_the_mean_share_leaves_out_iterations_without_a_policy_gradient_as_the_calibration_does():
+    import math
+
+    rows = [{"iteration": 1, "kl/grad_share": 0.0}, {"iteration": 2, "kl/grad_share": 0.2},
+            {"iteration": 3, "kl/grad_share": math.inf}, {"iteration": 4, "kl/grad_share": 0.4}]
+    assert mean_grad_share(rows) == pytest.approx(0.3)
+    assert mean_grad_share(rows[:1] + rows[2:3]) is None  # only an infinite share after iteration 1

@@ -23,6 +23,7 @@ The primary test (exact sign-flip + Holm over the declared family) is seeds.md's
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated
@@ -34,7 +35,9 @@ from agent.trajectory import Trajectory, load_jsonl
 from data.qa import normalize_question
 from emapg.compare import last_per_iteration
 from eval.report import EvalReport
+from eval.seed_report import PLAN_FILE, read_plan
 from eval.seed_stats import mean_interval
+from experiments.two_hop.calibrate import mean_share
 from trainer.bookkeeping import read_metrics
 
 app = typer.Typer(add_completion=False)
@@ -108,10 +111,12 @@ def search_outcomes(trajectories: list[Trajectory], bridges: dict[str, str]) -> 
 # --- pure functions over metrics -----------------------------------------------------------------------------
 
 def mean_grad_share(metrics: list[dict]) -> float | None:
-    """kl/grad_share averaged over iterations KL_FROM.. (each iteration's last line); None when none is logged."""
+    """kl/grad_share averaged over iterations KL_FROM.. (each iteration's last line), leaving out those without a
+    policy gradient (an infinite share) as the calibration does; None when no such share is logged."""
     shares = [m["kl/grad_share"] for m in last_per_iteration(metrics)
               if m["iteration"] >= KL_FROM and m.get("kl/grad_share") is not None]
-    return sum(shares) / len(shares) if shares else None
+    value = mean_share(shares)
+    return None if math.isnan(value) else value
 
 
 def training_seconds(metrics: list[dict]) -> float:
@@ -185,8 +190,8 @@ def declared(study: Path) -> tuple[list[str], list[int]]:
     """The arms and seeds of the study: plan.json's (eval/seed_report.py) where it exists, else the plan's five
     arms; seeds found on disk are added (a process may have started a seed after plan.json was read)."""
     arms, seeds = list(ARMS), set()
-    if (study / "plan.json").exists():
-        plan = json.loads((study / "plan.json").read_text())
+    if (study / PLAN_FILE).exists():
+        plan = read_plan(study)
         # plan.json lists the SFT start and the anchors ("EMA-PG anchor") among its models: keep the arms.
         arms = [m for m in plan["methods"] if m != SFT and not m.endswith(" anchor")]
         seeds = set(plan["seeds"])
@@ -214,7 +219,7 @@ def collect(out: Path, iterations: int) -> dict:
                 row |= evaluation_row(final, bridges)
                 row["kl_grad_share"] = mean_grad_share(metrics)
                 curves[arm][seed] = [(m["iteration"], m["kl/grad_share"]) for m in last_per_iteration(metrics)
-                                     if m.get("kl/grad_share") is not None]
+                                     if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
             runs.append(row)
     per_arm = {}
     for arm in arms:
