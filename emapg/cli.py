@@ -72,7 +72,8 @@ def index(
     device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="passage encoder dtype: float32, bfloat16 (~2x faster where native), or "
                                        "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX, torch backend only)")] = "auto",
-    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8 (CPU), or auto "
+    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino (CPU), or "
+                                                 "auto "
                                                  "(the fastest one that keeps retrieval on a CPU, torch on a GPU)")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
 ) -> None:
@@ -128,7 +129,8 @@ def serve(
     search_threads: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str, typer.Option(help="query encoder device: cpu, cuda")] = "cpu",
     query_dtype: Annotated[str, typer.Option(help="query encoder dtype: float32 or bfloat16")] = "float32",
-    encoder_backend: Annotated[str, typer.Option(help="what runs the query encoder: torch, onnx, onnx-int8 (CPU), or "
+    encoder_backend: Annotated[str, typer.Option(help="what runs the query encoder: torch, onnx, onnx-int8, openvino "
+                                                 "(CPU), or "
                                                  "auto (the fastest one that keeps retrieval on a CPU)")] = "auto",
     gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
     search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,

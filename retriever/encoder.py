@@ -76,8 +76,9 @@ def resolve_dtype(dtype: str, device: str = "cpu", backend: str = "torch") -> Li
 
 
 # torch: sentence-transformers on PyTorch (fp32 or bf16, CPU or GPU). onnx / onnx-int8: the same model exported to
-# ONNX Runtime, fp32 or with int8 weights (CPU only; retriever/onnx_encoder.py).
-BACKENDS = ("torch", "onnx", "onnx-int8")
+# ONNX and run by ONNX Runtime, fp32 or with int8 weights; openvino: that fp32 graph run by OpenVINO (CPU only;
+# retriever/onnx_encoder.py).
+BACKENDS = ("torch", "onnx", "onnx-int8", "openvino")
 # "auto" on a CPU: the fastest backend whose retrieval matches fp32 torch (top-3 identical for >= 98% of 10k
 # questions, recall@10 >= 0.99), as measured by benchmarks/retriever_encoders.py (docs/benchmarks.md).
 CPU_DEFAULT_BACKEND = "onnx"
@@ -126,7 +127,8 @@ class Encoder:
         if self.backend != "torch":
             from retriever.onnx_encoder import OnnxEncoder
 
-            self.onnx = OnnxEncoder(self.model, path, int8=self.backend == "onnx-int8", dim=self.dim)
+            runtime = "openvino" if self.backend == "openvino" else "onnxruntime"
+            self.onnx = OnnxEncoder(self.model, path, int8=self.backend == "onnx-int8", dim=self.dim, runtime=runtime)
 
     def _encode(self, texts: list[str], prefix: str, batch_size: int, show_progress: bool) -> np.ndarray:
         if self.onnx is not None:

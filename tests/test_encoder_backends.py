@@ -10,7 +10,7 @@ from retriever import encoder as encoder_module
 from retriever.encoder import CPU_DEFAULT_BACKEND, Encoder, resolve_backend, resolve_dtype, resolve_encoder
 from retriever.index import load_index
 from retriever.manifest import Manifest
-from retriever.onnx_encoder import cache_folder
+from retriever.onnx_encoder import EXPORT_VERSION, cache_folder
 
 TEXTS = [
     "who wrote pride and prejudice?",
@@ -28,10 +28,12 @@ def test_auto_backend_is_the_measured_cpu_default_and_torch_on_a_gpu():
 
 
 def test_bad_backends_are_refused_by_name():
-    with pytest.raises(ValueError, match="encoder backend must be auto or one of torch, onnx, onnx-int8, got 'tensorrt'"):
+    with pytest.raises(ValueError, match="encoder backend must be auto or one of torch, onnx, onnx-int8, openvino, got 'tensorrt'"):
         resolve_backend("tensorrt")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         resolve_backend("onnx", "cuda")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        resolve_backend("openvino", "cuda")
 
 
 def test_auto_dtype_is_float32_for_the_onnx_backends(monkeypatch):
@@ -59,6 +61,35 @@ def test_onnx_fp32_matches_torch_and_exports_offline(torch_encoder, monkeypatch)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_openvino_runs_the_same_graph_in_fp32_and_matches_torch(torch_encoder, monkeypatch):
+    import openvino as ov
+
+    from retriever.onnx_encoder import OPENVINO_CONFIG
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    openvino = Encoder(resolve_encoder("minilm"), backend="openvino")
+    assert openvino.onnx.path.name == f"emapg-v{EXPORT_VERSION}-fp32.onnx"  # the file ONNX Runtime runs
+    # OpenVINO's own default is bf16 on CPUs that have it: fp32 must be what the compiled model runs.
+    compiled = ov.Core().compile_model(str(openvino.onnx.path), "CPU", OPENVINO_CONFIG)
+    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    got, want = openvino.encode_queries(TEXTS, batch_size=3), torch_encoder.encode_queries(TEXTS)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_openvino_gives_each_encoding_thread_its_own_request():
+    from concurrent.futures import ThreadPoolExecutor
+
+    openvino = Encoder(resolve_encoder("minilm"), backend="openvino")
+    want = openvino.encode_queries(TEXTS)
+    with ThreadPoolExecutor(4) as pool:  # an InferRequest shared across threads fails or mixes results
+        results = list(pool.map(lambda _: openvino.encode_queries(TEXTS), range(16)))
+    for got in results:
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_export_traces_eager_attention_and_leaves_the_model_as_it_was(torch_encoder, tmp_path, monkeypatch):
