@@ -6,10 +6,11 @@ batches of 32 on a CPU) and timed, and a fixed stream of 10,000 distinct questio
 product) over that backend's own passage vectors. Against torch fp32's results: `top3_identical`, the share of
 questions whose top 3 (ids, in order) are the same, and `recall_at_10`, the mean overlap of the top 10. The
 `queries_on_torch_index` figures are the backend's queries over torch's passages: an index built before the
-backends existed, served with the new default.
+backends existed, served with the new default. A backend may name its dtype (`openvino:bfloat16`); for a bf16 one,
+`fp32_queries_on_own_index` is what a server with its default fp32 query encoder retrieves from that index.
 
-    python benchmarks/retriever_encoders.py [--backends torch,onnx,onnx-int8] [--passages 0] [--questions 10000] \
-        [--batch-sizes 32,128]
+    python benchmarks/retriever_encoders.py [--backends torch,onnx,onnx-int8,openvino,openvino:bfloat16] \
+        [--passages 0] [--questions 10000] [--batch-sizes 32,128]
 
 With several `--batch-sizes`, every backend is timed at each (`passages_per_s_at`); quality uses the first.
 """
@@ -51,7 +52,7 @@ def agreement(got: np.ndarray, want: np.ndarray) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="torch,onnx,onnx-int8", help="torch first: the reference")
+    ap.add_argument("--backends", default="torch,onnx,onnx-int8,openvino", help="torch first: the reference (fp32)")
     ap.add_argument("--passages", type=int, default=0, help="encode only the first N passages (0: all 10,033)")
     ap.add_argument("--questions", type=int, default=10_000)
     ap.add_argument("--batch-sizes", default="32", help="passage batch sizes to time, comma-separated")
@@ -65,8 +66,9 @@ def main() -> None:
     questions = distinct_questions(args.questions)
     results, vectors = {}, {}
     for backend in backends:
+        name, _, dtype = backend.partition(":")
         start = time.perf_counter()
-        enc = Encoder(resolve_encoder("minilm"), backend=backend)  # exports and quantizes on first use
+        enc = Encoder(resolve_encoder("minilm"), backend=name, dtype=dtype or "float32")  # exports on first use
         load_s = time.perf_counter() - start
         seconds_at = {}
         for batch_size in reversed(batch_sizes):  # the first last: its vectors are the ones kept
@@ -92,6 +94,9 @@ def main() -> None:
         p, q = vectors[backend]
         results[backend]["own_index"] = agreement(top_ids(p, q, 10), want)
         results[backend]["queries_on_torch_index"] = agreement(top_ids(ref_p, q, 10), want)
+        if backend.endswith(":bfloat16"):
+            fp32_queries = vectors.get(backend.partition(":")[0], vectors["torch"])[1]
+            results[backend]["fp32_queries_on_own_index"] = agreement(top_ids(p, fp32_queries, 10), want)
         results[backend]["build_speedup_vs_torch"] = round(results["torch"]["passages_s"] / results[backend]["passages_s"], 2)
     print(json.dumps({
         "benchmark": "retriever_encoders", "passages": len(passages), "questions": len(questions),

@@ -71,10 +71,11 @@ def index(
     copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the index folder (off for wiki-18)")] = True,
     device: Annotated[str, typer.Option(help="encoder device: cpu, cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="passage encoder dtype: float32, bfloat16 (~2x faster where native), or "
-                                       "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX, torch backend only)")] = "auto",
-    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino (CPU), or "
-                                                 "auto "
-                                                 "(the fastest one that keeps retrieval on a CPU, torch on a GPU)")] = "auto",
+                                       "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX, torch and openvino "
+                                       "backends)")] = "auto",
+    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino "
+                                                 "(CPU), or auto (the fastest one that keeps retrieval on a CPU, "
+                                                 "torch on a GPU)")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
@@ -130,8 +131,7 @@ def serve(
     device: Annotated[str, typer.Option(help="query encoder device: cpu, cuda")] = "cpu",
     query_dtype: Annotated[str, typer.Option(help="query encoder dtype: float32 or bfloat16")] = "float32",
     encoder_backend: Annotated[str, typer.Option(help="what runs the query encoder: torch, onnx, onnx-int8, openvino "
-                                                 "(CPU), or "
-                                                 "auto (the fastest one that keeps retrieval on a CPU)")] = "auto",
+                                                 "(CPU), or auto (the fastest one that keeps retrieval on a CPU)")] = "auto",
     gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
     search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
     workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each loading its own copy of "
@@ -405,9 +405,10 @@ def _train_questions(cfg, client, tag: str) -> list:
         _fail(str(e))
 
 
-# MiniLM passages per second on 2 cores with the default encoder (ONNX Runtime fp32 on a CPU): torch fp32 encodes
-# ~21/s on CPUs without AVX-512, and ONNX fp32 1.5x torch fp32 in the same run (docs/benchmarks.md, issue 35).
-DEFAULT_INDEX_RATE = 32
+# MiniLM passages per second on 2 cores with the default encoder (openvino) by the dtype `auto` gives: fp32 on CPUs
+# without native bf16 (torch fp32 encodes ~21/s on CPUs without AVX-512, and the exported graph 1.2-1.5x that), bf16
+# where native (~100/s on an AVX512-BF16 EPYC; docs/benchmarks.md, "Encoder backends").
+DEFAULT_INDEX_RATE = {"float32": 32, "bfloat16": 100}
 PACKAGED_PASSAGES = 10_033
 
 
@@ -422,11 +423,13 @@ def _ensure_index(index_dir: Path, retriever_url=None, needs_retriever: bool = T
     if index_dir.resolve() not in (DEFAULT_INDEX.resolve(), RetrieverConfig().index.resolve()):
         _fail(f"no index at {index_dir} (no manifest.json): build it with `emapg index --out {index_dir}` or give a "
               "running retriever's URL")
-    from retriever.encoder import resolve_backend
+    from retriever.encoder import resolve_backend, resolve_dtype
 
-    minutes = PACKAGED_PASSAGES / DEFAULT_INDEX_RATE / 60
+    backend = resolve_backend("auto", "cpu", "auto")
+    dtype = resolve_dtype("auto", "cpu", backend)
+    minutes = PACKAGED_PASSAGES / DEFAULT_INDEX_RATE[dtype] / 60
     console.rule(f"building the MiniLM index of {PACKAGED_PASSAGES:,} packaged Wikipedia passages in {index_dir} "
-                 f"({resolve_backend('auto')}): about {minutes:.0f} minutes on 2 cores, once; later runs reuse it")
+                 f"({backend}, {dtype}): about {minutes:.0f} minutes on 2 cores, once; later runs reuse it")
     index(out=index_dir)
 
 

@@ -66,35 +66,43 @@ def native_bf16(device: str = "cpu") -> bool:
 
 
 def resolve_dtype(dtype: str, device: str = "cpu", backend: str = "torch") -> Literal["float32", "bfloat16"]:
-    """"auto": bfloat16 for the torch backend where it is native (about 2x faster passage encoding, recall@10 0.99
-    against fp32 on the packaged corpus, docs/benchmarks.md), else float32 (the onnx backends' only float dtype)."""
+    """"auto": bfloat16 where it is native for the backends that run it (torch, openvino), else float32 (the onnx
+    backends' only float dtype). On the packaged corpus, passages encoded by openvino in bf16 (its mixed precision:
+    bf16 matmuls, fp32 normalisation and softmax) and searched with fp32 queries keep retrieval within the bar
+    (top-3 identical 0.985, recall@10 0.996 against fp32; torch's all-bf16 model misses it) at 2x the speed
+    (docs/benchmarks.md, "Encoder backends")."""
     if dtype == "auto":
-        return "bfloat16" if backend == "torch" and native_bf16(device) else "float32"
+        return "bfloat16" if backend in ("torch", "openvino") and native_bf16(device) else "float32"
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
     return dtype  # type: ignore[return-value]
 
 
 # torch: sentence-transformers on PyTorch (fp32 or bf16, CPU or GPU). onnx / onnx-int8: the same model exported to
-# ONNX and run by ONNX Runtime, fp32 or with int8 weights; openvino: that fp32 graph run by OpenVINO (CPU only;
-# retriever/onnx_encoder.py).
+# ONNX and run by ONNX Runtime, fp32 or with int8 weights; openvino: that fp32 graph run by OpenVINO, in fp32 or, on
+# CPUs with native bf16, its bf16 mixed precision (CPU only; retriever/onnx_encoder.py).
 BACKENDS = ("torch", "onnx", "onnx-int8", "openvino")
 # "auto" on a CPU: the fastest backend whose retrieval matches fp32 torch (top-3 identical for >= 98% of 10k
 # questions, recall@10 >= 0.99), as measured by benchmarks/retriever_encoders.py (docs/benchmarks.md).
-CPU_DEFAULT_BACKEND = "onnx"
+CPU_DEFAULT_BACKEND = "openvino"
 
 
 def resolve_backend(backend: str, device: str = "cpu", dtype: str = "float32") -> str:
-    """"auto": torch on a GPU or when bfloat16 is asked for, else CPU_DEFAULT_BACKEND; else one of BACKENDS, checked
-    against the device and dtype (float32, bfloat16 or auto)."""
+    """"auto": torch on a GPU, or when bfloat16 is asked for on a CPU without native bf16 (torch emulates it);
+    else CPU_DEFAULT_BACKEND. Else one of BACKENDS, checked against the device and dtype (float32, bfloat16, auto)."""
     if backend == "auto":
-        return "torch" if device.startswith("cuda") or dtype == "bfloat16" else CPU_DEFAULT_BACKEND
+        if device.startswith("cuda") or (dtype == "bfloat16" and not native_bf16(device)):
+            return "torch"
+        return CPU_DEFAULT_BACKEND
     if backend not in BACKENDS:
         raise ValueError(f"encoder backend must be auto or one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend != "torch" and device != "cpu":
         raise ValueError(f"encoder backend {backend!r} runs on the CPU only; use --encoder-backend torch on {device}")
-    if backend != "torch" and dtype == "bfloat16":
-        raise ValueError(f"dtype {dtype!r} is a torch option; encoder backend {backend!r} takes float32")
+    if backend in ("onnx", "onnx-int8") and dtype == "bfloat16":
+        raise ValueError(f"dtype {dtype!r} is a torch or openvino option; encoder backend {backend!r} takes float32")
+    if backend == "openvino" and dtype == "bfloat16" and not native_bf16(device):
+        # OpenVINO would quietly run fp32 while the manifest said bf16.
+        raise ValueError("dtype 'bfloat16' with encoder backend 'openvino' needs a CPU with AVX512-BF16 or AMX")
     return backend
 
 
@@ -118,7 +126,7 @@ class Encoder:
             raise FileNotFoundError(f"encoder {spec.name!r}: {path!r} is neither a local folder nor a hub id")
         self.model = SentenceTransformer(path, device=device)
         self.model.max_seq_length = spec.max_length
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" and self.backend == "torch":
             self.model.to(torch.bfloat16)
         self.dim = int(self.model.get_embedding_dimension())
         pooling = [m for m in self.model if hasattr(m, "pooling_mode")]
@@ -128,7 +136,9 @@ class Encoder:
             from retriever.onnx_encoder import OnnxEncoder
 
             runtime = "openvino" if self.backend == "openvino" else "onnxruntime"
-            self.onnx = OnnxEncoder(self.model, path, int8=self.backend == "onnx-int8", dim=self.dim, runtime=runtime)
+            self.onnx = OnnxEncoder(
+                self.model, path, int8=self.backend == "onnx-int8", dim=self.dim, runtime=runtime, dtype=dtype
+            )
 
     def _encode(self, texts: list[str], prefix: str, batch_size: int, show_progress: bool) -> np.ndarray:
         if self.onnx is not None:

@@ -1,5 +1,5 @@
 """A sentence-transformers model exported to ONNX and run on the CPU: by ONNX Runtime (fp32, or dynamically quantized
-to int8) or by OpenVINO (fp32).
+to int8) or by OpenVINO (fp32, or its bf16 mixed precision on CPUs that have bf16).
 
 The ONNX file is exported here from the loaded PyTorch model (no download: works with HF_HUB_OFFLINE=1) and cached
 beside the model, or under ~/.cache/emapg/onnx when that folder is read-only. The graph holds the transformer, the
@@ -129,8 +129,10 @@ def onnx_model_file(model, model_dir: str, int8: bool) -> Path:
     return quantized
 
 
-def onnxruntime_session(path: Path):
+def onnxruntime_session(path: Path, dtype: str = "float32"):
     """(input names, run(feed) -> embeddings) for ONNX Runtime's CPU provider; `run` is thread-safe."""
+    if dtype != "float32":  # retriever.encoder.resolve_backend refuses it first, with the CLI's wording
+        raise ValueError(f"ONNX Runtime runs this graph in float32 only, got {dtype!r}")
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -141,18 +143,26 @@ def onnxruntime_session(path: Path):
     return [i.name for i in session.get_inputs()], lambda feed: session.run(None, feed)[0]
 
 
-# OpenVINO computes in bf16 by default on CPUs with AVX512-BF16 or AMX, which moves retrieval (bf16 misses the
-# recall@10 bar, docs/benchmarks.md): fp32 is asked for explicitly. LATENCY: one stream on all cores, what both a
-# lone query and a sorted index-build batch want on a small machine.
-OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+def openvino_config(dtype: str) -> dict[str, str]:
+    """OpenVINO's CPU plugin computes in bf16 by default on CPUs with AVX512-BF16 or AMX, so the precision is always
+    asked for. bf16 is its mixed precision (bf16 matmuls, fp32 LayerNorm / Softmax / accumulation), which keeps
+    retrieval where torch's all-bf16 model does not (docs/benchmarks.md). LATENCY: one stream on all cores, what both
+    a lone query and a sorted index-build batch want on a small machine. No thread pinning: its threads pinned to
+    cores that a trainer or rollout engine also uses encoded 12x slower (1.9 against 23 passages/s on 2 busy cores),
+    each parallel step waiting for its preempted thread."""
+    return {
+        "INFERENCE_PRECISION_HINT": "bf16" if dtype == "bfloat16" else "f32",
+        "PERFORMANCE_HINT": "LATENCY",
+        "ENABLE_CPU_PINNING": "NO",
+    }
 
 
-def openvino_session(path: Path):
+def openvino_session(path: Path, dtype: str = "float32"):
     """(input names, run(feed) -> embeddings) for OpenVINO's CPU plugin. An infer request serves one call at a time,
     so each thread that encodes (the server's search threads) gets its own."""
     import openvino as ov
 
-    compiled = ov.Core().compile_model(str(path), "CPU", OPENVINO_CONFIG)
+    compiled = ov.Core().compile_model(str(path), "CPU", openvino_config(dtype))
     per_thread = threading.local()
 
     def run(feed: dict[str, np.ndarray]) -> np.ndarray:
@@ -169,12 +179,14 @@ RUNTIMES = {"onnxruntime": onnxruntime_session, "openvino": openvino_session}
 class OnnxEncoder:
     """Runs the exported graph; tokenizes with the model's own tokenizer, so inputs match the PyTorch path."""
 
-    def __init__(self, model, model_dir: str, int8: bool, dim: int, runtime: str = "onnxruntime"):
+    def __init__(
+        self, model, model_dir: str, int8: bool, dim: int, runtime: str = "onnxruntime", dtype: str = "float32"
+    ):
         self.model = model
         self.dim = dim
         self.runtime = runtime
         self.path = onnx_model_file(model, model_dir, int8)
-        self.input_names, self._run = RUNTIMES[runtime](self.path)
+        self.input_names, self._run = RUNTIMES[runtime](self.path, dtype)
 
     def encode(self, texts: list[str], batch_size: int) -> np.ndarray:
         # Longest first and padded per batch, like sentence-transformers: short texts are not padded to long ones.

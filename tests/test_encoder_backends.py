@@ -20,11 +20,15 @@ TEXTS = [
 ]
 
 
-def test_auto_backend_is_the_measured_cpu_default_and_torch_on_a_gpu():
-    assert resolve_backend("auto", "cpu") == CPU_DEFAULT_BACKEND
+def test_auto_backend_is_the_measured_cpu_default_and_torch_on_a_gpu(monkeypatch):
+    assert resolve_backend("auto", "cpu") == CPU_DEFAULT_BACKEND == "openvino"
     assert resolve_backend("auto", "cuda") == "torch"
-    assert resolve_backend("auto", "cpu", "bfloat16") == "torch"  # bf16 is a torch option
     assert resolve_backend("onnx-int8") == "onnx-int8"
+    for native in (True, False):
+        monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu", native=native: native)
+        # bf16 asked for: openvino runs it where the CPU has bf16, torch (which emulates it) elsewhere
+        assert resolve_backend("auto", "cpu", "bfloat16") == ("openvino" if native else "torch")
+        assert resolve_backend("auto", "cpu", "auto") == "openvino"
 
 
 def test_bad_backends_are_refused_by_name():
@@ -36,15 +40,23 @@ def test_bad_backends_are_refused_by_name():
         resolve_backend("openvino", "cuda")
 
 
-def test_auto_dtype_is_float32_for_the_onnx_backends(monkeypatch):
+def test_auto_dtype_is_bf16_where_native_for_torch_and_openvino_only(monkeypatch):
     monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu": True)
     assert resolve_dtype("auto", backend="torch") == "bfloat16"
+    assert resolve_dtype("auto", backend="openvino") == "bfloat16"
     assert resolve_dtype("auto", backend="onnx") == "float32"
+    monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu": False)
+    assert resolve_dtype("auto", backend="openvino") == "float32"
 
 
-def test_bf16_is_refused_for_an_onnx_backend():
-    with pytest.raises(ValueError, match="dtype 'bfloat16' is a torch option"):
+def test_bf16_is_refused_for_an_onnx_backend_and_for_openvino_without_native_bf16(monkeypatch):
+    with pytest.raises(ValueError, match="dtype 'bfloat16' is a torch or openvino option"):
         resolve_backend("onnx", "cpu", "bfloat16")
+    monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu": False)
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16 or AMX"):
+        resolve_backend("openvino", "cpu", "bfloat16")
+    monkeypatch.setattr(encoder_module, "native_bf16", lambda device="cpu": True)
+    assert resolve_backend("openvino", "cpu", "bfloat16") == "openvino"
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +79,35 @@ def test_onnx_fp32_matches_torch_and_exports_offline(torch_encoder, monkeypatch)
 def test_openvino_runs_the_same_graph_in_fp32_and_matches_torch(torch_encoder, monkeypatch):
     import openvino as ov
 
-    from retriever.onnx_encoder import OPENVINO_CONFIG
+    from retriever.onnx_encoder import openvino_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     openvino = Encoder(resolve_encoder("minilm"), backend="openvino")
     assert openvino.onnx.path.name == f"emapg-v{EXPORT_VERSION}-fp32.onnx"  # the file ONNX Runtime runs
     # OpenVINO's own default is bf16 on CPUs that have it: fp32 must be what the compiled model runs.
-    compiled = ov.Core().compile_model(str(openvino.onnx.path), "CPU", OPENVINO_CONFIG)
+    compiled = ov.Core().compile_model(str(openvino.onnx.path), "CPU", openvino_config("float32"))
     assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    assert compiled.get_property("ENABLE_CPU_PINNING") is False  # pinned threads crawl on a shared machine
     got, want = openvino.encode_queries(TEXTS, batch_size=3), torch_encoder.encode_queries(TEXTS)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not encoder_module.native_bf16("cpu"), reason="bf16 with openvino needs a CPU with AVX512-BF16/AMX")
+def test_openvino_bf16_runs_in_bf16_and_stays_close_to_torch_fp32(torch_encoder):
+    import openvino as ov
+
+    from retriever.onnx_encoder import openvino_config
+
+    bf16 = Encoder(resolve_encoder("minilm"), dtype="bfloat16", backend="openvino")
+    assert bf16.onnx.path.name == f"emapg-v{EXPORT_VERSION}-fp32.onnx"  # OpenVINO lowers the fp32 graph itself
+    compiled = ov.Core().compile_model(str(bf16.onnx.path), "CPU", openvino_config("bfloat16"))
+    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
+    got, want = bf16.encode_passages(TEXTS), torch_encoder.encode_passages(TEXTS)
+    assert not np.array_equal(got, want)  # it really ran in bf16
+    cosine = (got * want).sum(axis=1)
+    assert cosine.min() > 0.9999, cosine  # fp32 normalisation and softmax: torch's all-bf16 model gives ~0.998
 
 
 @pytest.mark.slow
