@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import logging.config
 import os
 import sys
 import tempfile
@@ -124,7 +123,7 @@ def _apply(log_file: Path) -> None:
     config = logging_config(log_file, os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     Path(_config_path).write_text(json.dumps(config))
     # The engine loggers of this process, now (vLLM may be imported already; its later processes read the file).
-    logging.config.dictConfig(config)
+    _configure_engine_loggers(config)
     own = logging.getLogger(OWN_LOGGER)
     for handler in [h for h in own.handlers if getattr(h, "emapg_run_log", False)]:
         own.removeHandler(handler)
@@ -143,3 +142,26 @@ def _apply(log_file: Path) -> None:
         console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         console.emapg_console = True
         own.addHandler(console)
+
+
+def _configure_engine_loggers(config: dict) -> None:
+    """What `config` does in the engine's processes, done here to the engine loggers only. dictConfig itself would
+    first close every handler of this process, other libraries' too. absl's closes the stream it was given when that
+    is no longer sys.stderr: a test's captured stderr, closed under pytest after OpenVINO imported absl."""
+    spec = config["handlers"]
+    formatter = logging.Formatter(config["formatters"]["plain"]["format"])
+    to_file = logging.FileHandler(spec["file"]["filename"], mode="a", encoding="utf-8", delay=True)
+    to_file.setLevel(spec["file"]["level"])
+    to_console = logging.StreamHandler(sys.stderr)
+    to_console.setLevel(spec["console"]["level"])
+    for handler in (to_file, to_console):
+        handler.setFormatter(formatter)
+    for name, settings in config["loggers"].items():
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(to_file)
+        logger.addHandler(to_console)
+        logger.setLevel(settings["level"])
+        logger.propagate = settings["propagate"]

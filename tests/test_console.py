@@ -62,6 +62,43 @@ def test_engine_logs_go_to_the_run_log_and_ours_stay_on_the_console(tmp_path):
     assert "verbose: False" in console
 
 
+OTHER_LIBRARY = textwrap.dedent("""
+    import logging, sys
+    from pathlib import Path
+    from emapg.console import setup, log_to
+
+    class FakeLibraryHandler(logging.Handler):  # a fake: stands for absl's, which closes its stream when closed
+        closed = False
+        def emit(self, record): pass
+        def close(self):
+            FakeLibraryHandler.closed = True
+            super().close()
+
+    library = logging.getLogger("some_library")
+    library.addHandler(FakeLibraryHandler())
+    engine = logging.getLogger("vllm")
+    engine.addHandler(logging.StreamHandler(sys.stdout))  # vLLM's own console handler, set up before ours
+    run = Path(sys.argv[1])
+    setup(False, log_file=run.parent / "before.log")
+    run.mkdir()
+    log_to(run)
+    engine.info("engine INFO line")
+    print("other library's handler closed:", FakeLibraryHandler.closed, len(library.handlers), flush=True)
+""")
+
+
+def test_setup_touches_only_the_engine_loggers(tmp_path):
+    """Python's dictConfig closes every handler of the process; setup and log_to must leave other libraries' alone
+    and replace the engine loggers' own (a second log_to moves them, and nothing reaches the console)."""
+    result = run_python(OTHER_LIBRARY, str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "other library's handler closed: False 1" in result.stdout
+    assert "engine INFO line" not in result.stdout + result.stderr
+    assert "engine INFO line" in (tmp_path / "run" / "emapg.log").read_text()
+    before = tmp_path / "before.log"
+    assert not before.exists() or "engine INFO line" not in before.read_text()
+
+
 def test_verbose_leaves_the_engine_logs_on_the_console(tmp_path):
     """EMAPG_VERBOSE=1 (what `emapg --verbose` passes to setup too: the test below)."""
     result = run_python(QUIET_RUN, str(tmp_path / "run"), env={"EMAPG_VERBOSE": "1"})
