@@ -184,7 +184,6 @@ class OnnxEncoder:
     ):
         self.model = model
         self.dim = dim
-        self.runtime = runtime
         self.path = onnx_model_file(model, model_dir, int8)
         self.input_names, self._run = RUNTIMES[runtime](self.path, dtype)
 

@@ -111,6 +111,20 @@ def test_openvino_bf16_runs_in_bf16_and_stays_close_to_torch_fp32(torch_encoder)
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not encoder_module.native_bf16("cpu"), reason="bf16 with openvino needs a CPU with AVX512-BF16/AMX")
+def test_the_default_build_here_is_openvino_bf16_and_serves_fp32_queries(small_corpus, dense_index_dir, tmp_path):
+    from retriever.dense import build_dense_index
+
+    folder = tmp_path / "bf16"
+    build_dense_index(small_corpus, folder, encoder="minilm", dtype=resolve_dtype("auto", backend="openvino"))
+    manifest = Manifest.read(folder)
+    assert (manifest.encoder.passage_backend, manifest.encoder.passage_dtype) == ("openvino", "bfloat16")
+    questions = ["who wrote pride and prejudice", "famous english novelist"]
+    served = load_index(folder).search(questions, 1)  # fp32 openvino queries: the probe check passes
+    assert [h[0].id for h in served] == [h[0].id for h in load_index(dense_index_dir).search(questions, 1)]
+
+
+@pytest.mark.slow
 def test_openvino_gives_each_encoding_thread_its_own_request():
     from concurrent.futures import ThreadPoolExecutor
 
