@@ -21,6 +21,7 @@ from experiments.two_hop.analyse import (
     analyse,
     app,
     contains_number,
+    learning_speed,
     load_bridges,
     mean_grad_share,
     names_bridge,
@@ -83,13 +84,16 @@ def fake_eval(folder: Path, behaviours: list[tuple[str, bool]], seconds: float =
     (folder / "report.json").write_text(json.dumps(asdict(report), indent=2))
 
 
-def fake_metrics(path: Path, share_scale: float, iterations: int = 4, resumed_at: int | None = 3) -> None:
+def fake_metrics(path: Path, share_scale: float, iterations: int = 4, resumed_at: int | None = 3,
+                 reward_step: float = 0.0) -> None:
     """Fake metrics.jsonl: 15 s of logged phases per line; kl/grad_share 0 at iteration 1, then 0.1, 0.2 (replaced
-    by 0.3 when the run resumed there), 0.5, times share_scale."""
+    by 0.3 when the run resumed there), 0.5, times share_scale; train reward 0.5 rising by reward_step an
+    iteration, up to 1."""
     shares = {1: 0.0, 2: 0.1, 3: 0.2, 4: 0.5}
     lines = []
     for i in range(1, iterations + 1):
-        lines.append({"iteration": i, "rollout/reward": 0.5, "kl/grad_share": shares[i] * share_scale,
+        lines.append({"iteration": i, "rollout/reward": min(1.0, 0.5 + reward_step * (i - 1)),
+                      "kl/grad_share": shares[i] * share_scale,
                       "time/rollout_s": 10.0, "time/update_s": 5.0})
         if i == resumed_at:  # a resumed run logs the iteration again: the last line is the one that counts
             lines.append({**lines[-1], "kl/grad_share": 0.3 * share_scale})
@@ -121,7 +125,8 @@ def fake_study(tmp_path) -> Path:
                                                '{"iteration": 2, "loss/sft": 0.5, "time/step_s": 20.0}\n')
     for (arm, seed), behaviours in FINISHED.items():
         folder = run / f"seed-{seed}" / arm
-        fake_metrics(folder / "metrics.jsonl", share_scale=1.0 if arm == "grpo-k3c" else 2.0)
+        fake_metrics(folder / "metrics.jsonl", share_scale=1.0 if arm == "grpo-k3c" else 2.0,
+                     reward_step=0.0 if arm == "grpo-k3c" else 0.25)
         fake_eval(folder / "eval-0002", SFT_BEHAVIOUR)
         fake_eval(folder / "eval-0004", behaviours)
         if arm == "ema-pg":
@@ -183,6 +188,15 @@ def test_grad_share_skips_iteration_1_and_keeps_a_resumed_iterations_last_line_t
 
 # --- the report of a fake study ------------------------------------------------------------------------------
 
+def test_learning_speed_reads_each_iterations_last_line():
+    metrics = [{"iteration": 1, "rollout/reward": 0.2}, {"iteration": 2, "rollout/reward": 1.0},
+               {"iteration": 2, "rollout/reward": 0.6},  # resumed: the last line of iteration 2 counts
+               {"iteration": 3, "rollout/reward": 1.0}]
+    assert learning_speed(metrics, early=2) == {"early_reward": pytest.approx(0.4), "first_full_reward": 3}
+    assert learning_speed(metrics, early=4)["early_reward"] is None  # iteration 4 was never logged
+    assert learning_speed(metrics[:1], early=1) == {"early_reward": pytest.approx(0.2), "first_full_reward": None}
+
+
 def test_a_half_done_fake_study_counts_only_final_evaluations_and_lists_the_missing(fake_study):
     result = analyse(fake_study, iterations=4)
     run = fake_study / "two-hop"
@@ -215,6 +229,10 @@ def test_a_half_done_fake_study_counts_only_final_evaluations_and_lists_the_miss
     assert "| EMA-PG | 2 |" not in md.split("## Per run")[1].split("## kl/grad_share")[0]  # never started
     assert "| EMA-PG | 2 | 0.6000 [0.6000, 0.6000] |" in md
     assert "4 of 6 runs finished" in md and "0.30 h" in md
+    # Exploratory: the early train reward (iterations 1-2 of 4); EMA-PG rises 0.5, 0.75, 1.0; GRPO-k3c stays at 0.5.
+    assert grpo["early_reward"]["mean"] == pytest.approx(0.5) and emapg["early_reward"]["mean"] == pytest.approx(0.625)
+    assert "| EMA-PG | 2 | 0.625 [0.625, 0.625] | 0: 3, 1: 3 |" in md and "| GRPO-k3c | 2 | 0.500 [0.500, 0.500] | 0: -, 1: - |" in md
+    assert "| EMA-PG - GRPO-k3c | 2 | +0.125 [+0.125, +0.125] | 2 / 0 / 0 | 0.5 |" in md  # 2 seeds: p >= 2/4
 
     saved = json.loads((run / "study.json").read_text())
     assert saved["per_arm"]["GRPO-k3c"]["missing_seeds"] == [2]

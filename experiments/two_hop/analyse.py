@@ -17,6 +17,9 @@ Writes <out>/two-hop/study.md, study.json, em_per_seed.png and kl_grad_share.png
        with a 95% bootstrap interval across seeds (eval/seed_stats.py)
     3. kl/grad_share per arm (iterations 2 to the last), and over iterations
     4. machine time per run: its logged phases (`time/*`) and its evaluations' seconds
+    5. exploratory, added after the final EM was seen at its ceiling: the train reward's mean over the first half of
+       the iterations and the first iteration at train reward 1.0, with the plan's comparisons on the former
+       (sign-flip p, uncorrected)
 The primary test (exact sign-flip + Holm over the declared family) is seeds.md's (eval/seed_report.py): not redone.
 """
 
@@ -36,7 +39,7 @@ from data.qa import normalize_question
 from emapg.compare import last_per_iteration
 from eval.report import EvalReport
 from eval.seed_report import PLAN_FILE, read_plan
-from eval.seed_stats import mean_interval
+from eval.seed_stats import format_p, mean_interval, paired_seeds
 from experiments.two_hop.calibrate import mean_share
 from trainer.bookkeeping import read_metrics
 
@@ -125,6 +128,16 @@ def training_seconds(metrics: list[dict]) -> float:
     return sum(value for m in metrics for key, value in m.items() if key.startswith("time/"))
 
 
+def learning_speed(metrics: list[dict], early: int) -> dict:
+    """Exploratory, not in the plan (it was added once the final EM was seen at its ceiling): the train reward's
+    mean over iterations 1..`early` (None unless each was logged), and the first iteration whose train reward is
+    1.0 (None if none)."""
+    rewards = {m["iteration"]: m["rollout/reward"] for m in last_per_iteration(metrics) if "rollout/reward" in m}
+    window = [rewards[i] for i in range(1, early + 1) if i in rewards]
+    return {"early_reward": sum(window) / early if len(window) == early else None,
+            "first_full_reward": next((i for i in sorted(rewards) if rewards[i] >= 1.0), None)}
+
+
 def summary(values: list[float]) -> dict:
     """Mean across seeds with its 95% percentile bootstrap interval (eval/seed_stats.py); empty when no seed."""
     if not values:
@@ -186,24 +199,44 @@ def evaluation_row(eval_dir: Path, bridges: dict[str, str]) -> dict:
     return {"em": em, "em_n": n, **search_outcomes(two_hop_trajectories(eval_dir), bridges)}
 
 
-def declared(study: Path) -> tuple[list[str], list[int]]:
-    """The arms and seeds of the study: plan.json's (eval/seed_report.py) where it exists, else the plan's five
-    arms; seeds found on disk are added (a process may have started a seed after plan.json was read)."""
-    arms, seeds = list(ARMS), set()
+def declared(study: Path) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """The arms, seeds and comparisons of the study: plan.json's (eval/seed_report.py) where it exists, else the
+    plan's five arms and no comparison; seeds found on disk are added (a process may have started a seed after
+    plan.json was read)."""
+    arms, seeds, comparisons = list(ARMS), set(), []
     if (study / PLAN_FILE).exists():
         plan = read_plan(study)
         # plan.json lists the SFT start and the anchors ("EMA-PG anchor") among its models: keep the arms.
         arms = [m for m in plan["methods"] if m != SFT and not m.endswith(" anchor")]
         seeds = set(plan["seeds"])
+        comparisons = [tuple(pair) for pair in plan["comparisons"]]
     seeds |= {int(p.name.removeprefix("seed-")) for p in study.glob("seed-*") if p.name.removeprefix("seed-").isdigit()}
-    return arms, sorted(seeds)
+    return arms, sorted(seeds), comparisons
+
+
+def speed_comparisons(runs: list[dict], comparisons: list[tuple[str, str]]) -> list[dict]:
+    """Exploratory: the plan's comparisons on the early train reward, paired by seed (both finished), with the
+    exact sign-flip p. Not Holm-corrected and not a claim: the outcome was chosen after a result was seen."""
+    by_arm = {}
+    for r in runs:
+        if r["finished"] and r["early_reward"] is not None:
+            by_arm.setdefault(r["arm"], {})[r["seed"]] = r["early_reward"]
+    rows = []
+    for a, b in comparisons:
+        seeds = sorted(by_arm.get(a, {}).keys() & by_arm.get(b, {}).keys())
+        if not seeds:
+            continue
+        c = paired_seeds({s: by_arm[a][s] for s in seeds}, {s: by_arm[b][s] for s in seeds})
+        rows.append({"a": a, "b": b, "seeds": list(c.seeds), "mean": c.mean, "ci": list(c.ci), "p": c.p_value,
+                     "wins": c.wins, "losses": c.losses, "ties": c.ties})
+    return rows
 
 
 def collect(out: Path, iterations: int) -> dict:
     """Everything the report says, from the study folder `out` (prepare's --out): a JSON-ready dict."""
     study = out / NAME
     bridges = load_bridges(out / "kb" / "questions-test.jsonl")
-    arms, seeds = declared(study)
+    arms, seeds, comparisons = declared(study)
     sft_dir = study / "eval-sft"
     sft = evaluation_row(sft_dir, bridges) if is_finished(sft_dir) else None
     runs, curves = [], {arm: {} for arm in arms}
@@ -214,7 +247,8 @@ def collect(out: Path, iterations: int) -> dict:
             final = final_eval_dir(folder, iterations)
             row = {"arm": arm, "seed": seed, "finished": is_finished(final), "started": folder.exists(),
                    "iterations_logged": len(last_per_iteration(metrics)),
-                   "training_s": training_seconds(metrics), "evaluation_s": evaluation_seconds(folder)}
+                   "training_s": training_seconds(metrics), "evaluation_s": evaluation_seconds(folder),
+                   **learning_speed(metrics, early=iterations // 2)}
             if row["finished"]:
                 row |= evaluation_row(final, bridges)
                 row["kl_grad_share"] = mean_grad_share(metrics)
@@ -228,13 +262,15 @@ def collect(out: Path, iterations: int) -> dict:
                         "missing_seeds": [r["seed"] for r in runs if r["arm"] == arm and not r["finished"]],
                         "em": summary([r["em"] for r in done]),
                         **{key: summary([r[key] for r in done]) for key in SECONDARY},
-                        "kl_grad_share": summary([r["kl_grad_share"] for r in done if r["kl_grad_share"] is not None])}
+                        "kl_grad_share": summary([r["kl_grad_share"] for r in done if r["kl_grad_share"] is not None]),
+                        "early_reward": summary([r["early_reward"] for r in done if r["early_reward"] is not None])}
     sft_metrics = read_metrics(study / "sft" / "metrics.jsonl")
     sft_time = {"training_s": training_seconds(sft_metrics),
                 "evaluation_s": EvalReport.load(sft_dir / "report.json").seconds if sft else 0.0}
     total_s = sum(r["training_s"] + r["evaluation_s"] for r in runs) + sft_time["training_s"] + sft_time["evaluation_s"]
     return {"study": str(study), "final_iteration": iterations, "arms": arms, "seeds": seeds, "sft": sft,
             "sft_time": sft_time, "runs": runs, "per_arm": per_arm, "kl_grad_share_curves": curves,
+            "speed_comparisons": speed_comparisons(runs, comparisons),
             "machine_hours": total_s / 3600}
 
 
@@ -317,6 +353,19 @@ def markdown(result: dict) -> str:
               "| arm | seeds | mean over iterations and seeds [95% CI across seeds] |", "|---|---|---|"]
     lines += [f"| {arm} | {a['kl_grad_share']['seeds']} | {fmt_summary(a['kl_grad_share'], 4)} |"
               for arm, a in per_arm.items()]
+    early = result["final_iteration"] // 2
+    lines += ["", "## Exploratory: how fast the train reward rose", "",
+              (f"Not in the plan: added once the final EM was seen at its ceiling. Early reward: the train reward's "
+               f"mean over iterations 1-{early}. The comparisons are the plan's, paired by seed, with the exact "
+               "sign-flip p, not Holm-corrected: they describe, they do not decide."), "",
+              "| arm | seeds | early reward [95% CI across seeds] | first iteration at train reward 1.0, per seed |",
+              "|---|---|---|---|"]
+    for arm, a in per_arm.items():
+        firsts = ", ".join(f"{r['seed']}: {r['first_full_reward'] or '-'}" for r in finished if r["arm"] == arm)
+        lines.append(f"| {arm} | {a['early_reward']['seeds']} | {fmt_summary(a['early_reward'])} | {firsts or '-'} |")
+    lines += ["", "| A - B | seeds | mean [95% CI] | wins / losses / ties | sign-flip p |", "|---|---|---|---|---|"]
+    lines += [f"| {c['a']} - {c['b']} | {len(c['seeds'])} | {c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | "
+              f"{c['wins']} / {c['losses']} / {c['ties']} | {format_p(c['p'])} |" for c in result["speed_comparisons"]]
     t = result["sft_time"]
     lines += ["", "## Machine time", "",
               (f"SFT start: training {t['training_s'] / 3600:.2f} h, evaluation {t['evaluation_s'] / 3600:.2f} h. "
