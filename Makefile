@@ -74,16 +74,19 @@ evidence: setup
 # report and trajectories: what the paired tests read) packed once into a file of its own, and each method's training
 # log and guard events. Unpacked into another machine's out_dir (tar -xzf F -C OUT, for each), `make evidence` there
 # reuses the finished evaluations and methods, remakes SFT and refuses it unless its weights are the same.
+# A run with --seeds (<run>/seed-N/<method>/) is packed the same way, with its plan.json and seeds.md: a fresh
+# checkout then resumes a study of many sessions from what was committed (docs/study_two_hop_plan.md, "Running it").
 EVIDENCE_RECORD ?= docs/evidence
 evidence-record:
 	mkdir -p $(EVIDENCE_RECORD)
 	record=$$(realpath $(EVIDENCE_RECORD)); run=$(EVIDENCE_NAME); cd $(EVIDENCE_OUT) && \
-	for eval in $$run/eval-* $$run/*/eval-*; do \
+	for eval in $$run/eval-* $$run/*/eval-* $$run/seed-*/*/eval-*; do \
 	  packed=$$record/$$(echo $$eval | tr / _).tar.gz; \
 	  if [ -f $$eval/report.json ] && [ ! -f $$packed ]; then tar -czf $$packed $$eval; fi; \
 	done; \
 	tar -czf $$record/$${run}_logs.tar.gz $$run/sft_start.json $$(ls $$run/*/metrics.jsonl \
-	  $$run/*/guard_events.jsonl $$run/compare.* 2>/dev/null)
+	  $$run/*/guard_events.jsonl $$run/compare.* $$run/plan.json $$run/seeds.* $$run/seed-*/sft_start.json \
+	  $$run/seed-*/compare.* $$run/seed-*/*/metrics.jsonl $$run/seed-*/*/guard_events.jsonl 2>/dev/null)
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for
