@@ -418,3 +418,52 @@ def test_compare_and_demo_serve_the_configs_index_unless_index_is_given(tmp_path
             result = CliRunner().invoke(cli.app, [command, "--config", config, *extra, f"out_dir={tmp_path}"])
             assert result.exit_code == 0, result.output
             assert served == [want, want], (command, extra, served)
+
+
+def test_a_seeded_study_packed_by_make_evidence_record_resumes_from_the_record_alone(tmp_path):
+    """A fresh checkout has none of the last session's artifacts: `make evidence-record` packs a seeded run folder
+    (<run>/seed-N/<method>/), and unpacked elsewhere it gives back every finished method and the plan, and an
+    unfinished one stays unfinished (it is rerun)."""
+    import subprocess
+    import tarfile
+
+    from emapg.compare import declared_models, default_family, seed_config, seed_evaluations
+    from eval.seed_report import read_plan, write_plan
+    from test_seed_report import ALL, fabricated_eval
+
+    out, record, fresh = tmp_path / "runs", tmp_path / "record", tmp_path / "fresh"
+    cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={out}", "train.iterations=2"])
+    methods, seeds = ["GRPO", "EMA-PG"], [0, 1]
+    write_plan(cfg.run_dir, declared_models(methods), default_family(methods), seeds)
+    (cfg.run_dir / "sft_start.json").write_text(json.dumps({"init": "sft", "policy_sha256": "ab" * 32}))
+    fabricated_eval(cfg.run_dir / "eval-sft", set(ALL[:4]))  # FABRICATED evaluations, by the real writers
+    for seed in seeds:
+        for name in methods:
+            run_dir = variant_config(seed_config(cfg, seed), name).run_dir
+            (run_dir / "checkpoints").mkdir(parents=True)  # never packed: a fresh checkout resumes without them
+            (run_dir / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "seed": seed}) + "\n")
+            if (seed, name) != (1, "EMA-PG"):  # seed 1's EMA-PG has no final evaluation yet
+                fabricated_eval(run_dir / "eval-0002", set(ALL[:6]))
+    fabricated_eval(variant_config(seed_config(cfg, 0), "EMA-PG").run_dir / "eval-anchor-0002", set(ALL[:5]))
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(["make", "-s", "evidence-record", f"EVIDENCE_OUT={out}", f"EVIDENCE_NAME={cfg.name}",
+                    f"EVIDENCE_RECORD={record}"], cwd=root, check=True, capture_output=True, timeout=60)
+    fresh.mkdir()
+    for packed in sorted(record.glob("*.tar.gz")):
+        with tarfile.open(packed) as tar:
+            assert not any("checkpoints" in member.name for member in tar.getmembers())
+            tar.extractall(fresh, filter="data")
+    again = load_config("configs/cpu_compare.yaml", [f"out_dir={fresh}", "train.iterations=2"])
+    assert read_plan(again.run_dir)["seeds"] == seeds
+    assert json.loads((again.run_dir / "sft_start.json").read_text())["policy_sha256"] == "ab" * 32
+    start = {"em": 0.1}
+    for seed in seeds:
+        for name in methods:
+            vcfg = variant_config(seed_config(again, seed), name)
+            assert (vcfg.run_dir / "metrics.jsonl").exists()
+            finished = name == "GRPO" or seed == 0
+            assert (saved_variant(name, vcfg, start, 2) is not None) == finished, (seed, name)
+    assert seed_evaluations(again, methods, seeds) == {
+        model: {s: fresh / path.relative_to(out) for s, path in by_seed.items()}
+        for model, by_seed in seed_evaluations(cfg, methods, seeds).items()}
