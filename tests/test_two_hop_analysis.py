@@ -23,6 +23,7 @@ from experiments.two_hop.analyse import (
     contains_number,
     learning_speed,
     load_bridges,
+    finite_grad_share_count,
     mean_grad_share,
     names_bridge,
     search_outcomes,
@@ -224,7 +225,7 @@ def test_a_half_done_fake_study_counts_only_final_evaluations_and_lists_the_miss
     assert "| EMA-PG | 2 | 0.875 [0.759, 0.991] | 0: 0.750, 1: 1.000 |" in md
     assert "| SFT (start) | - | 0.250 | 0.500 | 0.000 |" in md  # bridge, two searches, repeated
     assert "| GRPO-k3c | 2 | 0.375 [0.259, 0.491] | 0.750 [0.750, 0.750] | 0.071 [" in md
-    assert "| GRPO-k3c | 1 | 4 | 0.500 | 0.500 | 0.750 | 0.667 | 0.143 | 0.3000 | 0.05 |" in md
+    assert "| GRPO-k3c | 1 | 4 | 0.500 | 0.500 | 0.750 | 0.667 | 0.143 | 0.3000 (3) | 0.05 |" in md
     assert "| GRPO-k3c | 2 | 2 | unfinished |" in md
     assert "| EMA-PG | 2 |" not in md.split("## Per run")[1].split("## kl/grad_share")[0]  # never started
     assert "| EMA-PG | 2 | 0.6000 [0.6000, 0.6000] |" in md
@@ -259,3 +260,4 @@ def test_the_mean_share_leaves_out_iterations_without_a_policy_gradient_as_the_c
             {"iteration": 3, "kl/grad_share": math.inf}, {"iteration": 4, "kl/grad_share": 0.4}]
     assert mean_grad_share(rows) == pytest.approx(0.3)
     assert mean_grad_share(rows[:1] + rows[2:3]) is None  # only an infinite share after iteration 1
+    assert finite_grad_share_count(rows) == 2 and finite_grad_share_count(rows[:1] + rows[2:3]) == 0

@@ -122,6 +122,13 @@ def mean_grad_share(metrics: list[dict]) -> float | None:
     return None if math.isnan(value) else value
 
 
+def finite_grad_share_count(metrics: list[dict]) -> int:
+    """How many iterations from KL_FROM the mean above rests on: a saturated reward leaves most with no policy
+    gradient, so a run's mean can be one iteration's share."""
+    return sum(1 for m in last_per_iteration(metrics) if m["iteration"] >= KL_FROM
+               and m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"]))
+
+
 def training_seconds(metrics: list[dict]) -> float:
     """The run's logged phases (`time/*`), every line: a resumed run's repeated iterations were machine time too
     (emapg/compare.py's work_minutes counts them the same way)."""
@@ -252,6 +259,7 @@ def collect(out: Path, iterations: int) -> dict:
             if row["finished"]:
                 row |= evaluation_row(final, bridges)
                 row["kl_grad_share"] = mean_grad_share(metrics)
+                row["kl_grad_share_finite"] = finite_grad_share_count(metrics)
                 curves[arm][seed] = [(m["iteration"], m["kl/grad_share"]) for m in last_per_iteration(metrics)
                                      if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
             runs.append(row)
@@ -332,7 +340,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | {a['em']['seeds']} | " + " | ".join(fmt_summary(a[k]) for k in SECONDARY) + " |")
     lines += ["", "## Per run", "",
               (f"kl/grad_share: mean over iterations {KL_FROM}-{result['final_iteration']} (at iteration 1 the anchor "
-               "equals the policy and the KL gradient is 0). Bridge | 2 searches: the second search names the bridge, "
+               "equals the policy and the KL gradient is 0), over the iterations with a policy gradient, their number in "
+               "brackets (the others' share is infinite: every group of the measured micro-batch had equal rewards). Bridge | 2 searches: the second search names the bridge, "
                "of those that searched twice. Machine time: the logged phases (`time/*`) plus every evaluation's "
                "seconds (unfinished runs included)."), "",
               ("| arm | seed | iterations logged | EM | 2nd search names bridge | >= 2 searches | bridge \\| 2 searches | "
@@ -345,7 +354,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['arm']} | {r['seed']} | {r['iterations_logged']} | {r['em']:.3f} | "
                          f"{r['bridge_second_search']:.3f} | {r['two_searches']:.3f} | "
                          f"{fmt(r['bridge_given_two_searches'])} | {r['repeated_search_rate']:.3f} | "
-                         f"{fmt(r['kl_grad_share'], 4)} | {hours:.2f} |")
+                         f"{fmt(r['kl_grad_share'], 4)} ({r['kl_grad_share_finite']}) | {hours:.2f} |")
         else:
             lines.append(f"| {r['arm']} | {r['seed']} | {r['iterations_logged']} | unfinished | | | | | | "
                          f"{hours:.2f} |")
