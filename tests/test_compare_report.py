@@ -449,10 +449,10 @@ def test_a_seeded_study_packed_by_make_evidence_record_resumes_from_the_record_a
     subprocess.run(["make", "-s", "evidence-record", f"EVIDENCE_OUT={out}", f"EVIDENCE_NAME={cfg.name}",
                     f"EVIDENCE_RECORD={record}"], cwd=root, check=True, capture_output=True, timeout=60)
     fresh.mkdir()
-    for packed in sorted(record.glob("*.tar.gz")):  # as docs/study_two_hop_plan.md says to unpack them
+    for packed in sorted(record.glob("*.tar.gz")):  # as `make two-hop` unpacks them
         listed = subprocess.run(["tar", "-tzf", packed], check=True, capture_output=True, text=True).stdout
         assert "checkpoints" not in listed
-        subprocess.run(["tar", "-xzf", packed, "-C", fresh], check=True)
+        subprocess.run(["tar", "-xzf", packed, "--skip-old-files", "-C", fresh], check=True)
     again = load_config("configs/cpu_compare.yaml", [f"out_dir={fresh}", "train.iterations=2"])
     assert read_plan(again.run_dir)["seeds"] == seeds
     assert json.loads((again.run_dir / "sft_start.json").read_text())["policy_sha256"] == "ab" * 32
