@@ -342,7 +342,8 @@ def markdown(result: dict) -> str:
               (f"kl/grad_share: mean over iterations {KL_FROM}-{result['final_iteration']} (at iteration 1 the anchor "
                "equals the policy and the KL gradient is 0), over the iterations with a policy gradient, their "
                "number in brackets (the others' share is infinite: every group of the measured micro-batch had equal "
-               "rewards). Bridge | 2 searches: the second search names the bridge, of those that searched twice. Machine time: the logged phases (`time/*`) plus every evaluation's "
+               "rewards). Bridge | 2 searches: the second search names the bridge, of those that searched twice. "
+               "Machine time: the logged phases (`time/*`) plus every evaluation's "
                "seconds (unfinished runs included)."), "",
               ("| arm | seed | iterations logged | EM | 2nd search names bridge | >= 2 searches | bridge \\| 2 searches | "
                "repeated searches | kl/grad_share | machine h |"), "|---|---|---|---|---|---|---|---|---|---|"]
