@@ -122,11 +122,16 @@ def mean_grad_share(metrics: list[dict]) -> float | None:
     return None if math.isnan(value) else value
 
 
+def finite_grad_shares(metrics: list[dict]) -> list[tuple[int, float]]:
+    """(iteration, kl/grad_share) for each iteration with a policy gradient (a finite share), its last line."""
+    return [(m["iteration"], m["kl/grad_share"]) for m in last_per_iteration(metrics)
+            if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
+
+
 def finite_grad_share_count(metrics: list[dict]) -> int:
     """How many iterations from KL_FROM the mean above rests on: a saturated reward leaves most with no policy
     gradient, so a run's mean can be one iteration's share."""
-    return sum(1 for m in last_per_iteration(metrics) if m["iteration"] >= KL_FROM
-               and m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"]))
+    return sum(1 for iteration, _ in finite_grad_shares(metrics) if iteration >= KL_FROM)
 
 
 def training_seconds(metrics: list[dict]) -> float:
@@ -260,8 +265,7 @@ def collect(out: Path, iterations: int) -> dict:
                 row |= evaluation_row(final, bridges)
                 row["kl_grad_share"] = mean_grad_share(metrics)
                 row["kl_grad_share_finite"] = finite_grad_share_count(metrics)
-                curves[arm][seed] = [(m["iteration"], m["kl/grad_share"]) for m in last_per_iteration(metrics)
-                                     if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
+                curves[arm][seed] = finite_grad_shares(metrics)
             runs.append(row)
     per_arm = {}
     for arm in arms:
