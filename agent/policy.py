@@ -55,9 +55,17 @@ def load_tokenizer(name: str = PACKAGED_SMOLLM2):
     return AutoTokenizer.from_pretrained(resolve_policy(name))
 
 
-def load_policy(name: str = PACKAGED_SMOLLM2, dtype: str = "float32", device: str = "cpu"):
+def default_device() -> str:
+    """Where the learner's policy lives: the GPU when there is one (a GPU run without Ray trains there too)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_policy(name: str = PACKAGED_SMOLLM2, dtype: str = "float32", device: str | None = None):
+    """The policy in `dtype` on `device` (default_device() when None)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_policy(name), dtype=getattr(torch, dtype))
-    return model.to(device)
+    return model.to(device or default_device())

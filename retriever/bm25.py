@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import bm25s
 import numpy as np
 
 from data.corpus import read_jsonl
@@ -14,11 +15,26 @@ from retriever.build import add_corpus, building_folder, finish_build
 from retriever.docstore import DocStore
 from retriever.manifest import BM25Manifest, Manifest
 
+if TYPE_CHECKING:
+    import bm25s
+
+
+def _bm25s():
+    """bm25s, with JAX kept on the CPU. bm25s imports JAX where it is installed and runs a top-k at import; on a GPU
+    machine JAX then takes 75% of the GPU's memory (its default preallocation), in this process and in the retrieval
+    server's. Measured on an H200: 106 + 33 GiB gone before the policy's first step, which ran out of memory
+    (docs/benchmarks.md, "GPU"). BM25's top-k is CPU work; a platform the caller chose is kept."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+
+    return bm25s
+
+
 BM25_DIR = "bm25"
 
 
 def tokenize(texts: list[str], params: BM25Manifest, show_progress: bool = False) -> list[list[str]]:
-    return bm25s.tokenize(texts, stopwords=params.stopwords, return_ids=False, show_progress=show_progress)
+    return _bm25s().tokenize(texts, stopwords=params.stopwords, return_ids=False, show_progress=show_progress)
 
 
 def build_bm25_index(
@@ -28,7 +44,7 @@ def build_bm25_index(
     tmp = building_folder(out, overwrite)
     corpus_manifest, docstore = add_corpus(tmp, corpus, copy_corpus)
     texts = [p.contents for p in read_jsonl(docstore.corpus_path)]
-    model = bm25s.BM25(k1=params.k1, b=params.b, method=params.method)
+    model = _bm25s().BM25(k1=params.k1, b=params.b, method=params.method)
     model.index(tokenize(texts, params, show_progress=True), show_progress=True)
     model.save(str(tmp / BM25_DIR), show_progress=False)
     docstore.close()
@@ -48,7 +64,7 @@ class BM25Index:
     def load(cls, folder: Path, manifest: Manifest, docstore: DocStore) -> BM25Index:
         logging.getLogger("bm25s").setLevel(logging.WARNING)
         try:
-            model = bm25s.BM25.load(str(Path(folder) / BM25_DIR), mmap=True, show_progress=False)
+            model = _bm25s().BM25.load(str(Path(folder) / BM25_DIR), mmap=True, show_progress=False)
         except (OSError, ValueError) as e:
             raise ValueError(f"index {folder}: the BM25 files are missing or corrupt; rebuild the index ({e})") from e
         return cls(manifest, docstore, model)

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from retriever.index import load_index
@@ -34,3 +38,15 @@ def test_no_shared_term_means_no_hit(bm25):
 def test_bm25_index_takes_no_encoder(bm25_index_dir):
     with pytest.raises(ValueError, match="takes no encoder"):
         load_index(bm25_index_dir, encoder="minilm")
+
+
+def test_bm25s_is_imported_with_jax_kept_on_the_cpu_unless_the_caller_chose():
+    # On a GPU machine with JAX installed, bm25s's import made JAX preallocate 75% of the GPU in the trainer and in
+    # the retrieval server, and the policy's first step ran out of memory (an H200, docs/benchmarks.md).
+    probe = ("import os; from retriever.bm25 import BM25Manifest, tokenize; "
+             "tokenize(['a b'], BM25Manifest()); print(os.environ['JAX_PLATFORMS'])")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    chosen = subprocess.run([sys.executable, "-c", probe], env={**env, "JAX_PLATFORMS": "cuda"}, capture_output=True,
+                            text=True, check=True)
+    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert (default.stdout.strip(), chosen.stdout.strip()) == ("cpu", "cuda")

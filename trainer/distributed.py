@@ -32,7 +32,7 @@ from trainer.config import TrainConfig
 from trainer.engine import PolicyTrainer
 
 
-def _policy(cfg: TrainConfig, device: str):
+def _policy(cfg: TrainConfig, device: str | None = None):
     from agent.policy import load_policy
 
     return load_policy(cfg.model, cfg.dtype, device)
@@ -49,8 +49,7 @@ class RolloutWorker:
         cfg = TrainConfig.model_validate(cfg_json)
         self.tokenizer = load_tokenizer(cfg.model)
         # The transformers engine samples from a policy copy of its own; vLLM loads the model folder itself.
-        policy = _policy(cfg, "cuda" if torch.cuda.is_available() else "cpu") \
-            if cfg.rollout.backend == "transformers" else None
+        policy = _policy(cfg) if cfg.rollout.backend == "transformers" else None  # on the GPU if there is one
         self.backend = open_backend(cfg.rollout, cfg.model, self.tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
         client = None
         if cfg.rollout.mode != "direct":

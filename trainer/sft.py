@@ -50,6 +50,7 @@ class SFTTrainer:
         s = self.cfg.sft
         start = time.perf_counter()
         batch = collate(self.sampler.next(s.batch_size), torch.zeros(s.batch_size), self.pad_id)
+        batch = batch.to(next(self.policy.parameters()).device)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         micro_rows = micro_batches(batch.response_lengths().argsort(), s.micro_batch_size)
