@@ -1,6 +1,6 @@
 """The GPU check's pieces on CPU: benchmarks/train_step.py (the learner's bf16 step on a random Qwen2 model) runs
 without and with activation checkpointing and prints its JSON line; benchmarks/gpu_check.sh refuses to pass without
-CUDA."""
+CUDA, and so does benchmarks/gpu_train_check.sh (the short real run)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def test_train_step_benchmark_runs_on_cpu_with_and_without_checkpointing_and_pri
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real check")
-def test_gpu_check_fails_without_cuda():
-    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHON": sys.executable}, check=False)
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_train_check.sh"])
+def test_gpu_checks_fail_without_cuda(script, tmp_path):
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / script), str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable}, check=False)
     assert out.returncode != 0
     assert json.loads(out.stdout.strip().splitlines()[0])["error"] == "torch sees no CUDA device"
+    assert not (tmp_path / "run").exists()  # refused before any work
