@@ -91,14 +91,18 @@ evidence-record:
 # The two-hop study (docs/study_two_hop_plan.md; ~7 h of runs left when this was written, so several sessions): its
 # inputs (reused when on disk), its committed record unpacked (--skip-old-files: never over a newer file on disk),
 # then the study, which skips every finished run. `make two-hop-record` packs what finished into the record.
+# The Intel block (the plan's session 23): make two-hop TWO_HOP=artifacts/two-hop-intel
+#   TWO_HOP_RECORD=docs/evidence/two-hop-intel TWO_HOP_SEEDS=0   (its own SFT start, made on that CPU kind)
 TWO_HOP := artifacts/two-hop
 TWO_HOP_RECORD := docs/evidence/two-hop
+TWO_HOP_SEEDS := 1,2,3,4,5,0
 two-hop: setup
 	$(PY) -m experiments.two_hop.prepare --out $(TWO_HOP)
-	for f in $(TWO_HOP_RECORD)/*.tar.gz; do tar -xzf $$f --skip-old-files -C $(TWO_HOP); done
+	for f in $(TWO_HOP_RECORD)/*.tar.gz; do [ ! -e $$f ] || tar -xzf $$f --skip-old-files -C $(TWO_HOP); done
 	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(TWO_HOP)/index --eval-every 8 \
-	  --seeds 1,2,3,4,5,0 --methods GRPO-floor,GRPO-k3c,EMA-k3c,EMA-PG,EMA-PG-released \
-	  --compare EMA-PG:GRPO-k3c,EMA-k3c:GRPO-k3c,EMA-PG:EMA-k3c,EMA-PG-released:EMA-PG
+	  --seeds $(TWO_HOP_SEEDS) --methods GRPO-floor,GRPO-k3c,EMA-k3c,EMA-PG,EMA-PG-released \
+	  --compare EMA-PG:GRPO-k3c,EMA-k3c:GRPO-k3c,EMA-PG:EMA-k3c,EMA-PG-released:EMA-PG \
+	  out_dir=$(TWO_HOP) data.flashrag_root=$(TWO_HOP)/flashrag
 	$(PY) -m experiments.two_hop.analyse --out $(TWO_HOP)
 
 two-hop-record:

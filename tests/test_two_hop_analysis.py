@@ -238,7 +238,9 @@ def test_a_half_done_fake_study_counts_only_final_evaluations_and_lists_the_miss
     saved = json.loads((run / "study.json").read_text())
     assert saved["per_arm"]["GRPO-k3c"]["missing_seeds"] == [2]
     assert saved["kl_grad_share_curves"]["EMA-PG"]["0"] == [[1, 0.0], [2, 0.2], [3, 0.6], [4, 1.0]]
-    for plot in ("em_per_seed.png", "kl_grad_share.png"):
+    assert saved["train_reward_curves"]["EMA-PG"]["0"] == [[1, 0.5], [2, 0.75], [3, 1.0], [4, 1.0]]
+    assert sorted(saved["train_reward_curves"]["GRPO-k3c"]) == ["0", "1"]  # the finished runs only (not seed 2)
+    for plot in ("em_per_seed.png", "kl_grad_share.png", "train_reward.png"):
         assert (run / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ Reads what `emapg compare --seeds` writes in <out>/two-hop (emapg/compare.py):
     seed-<s>/<arm>/eval-anchor-<iteration>/ the EMA arms' anchors (counted in machine time only)
 and the KB's test questions, with their bridge city, in <out>/kb/questions-test.jsonl.
 
-Writes <out>/two-hop/study.md, study.json, em_per_seed.png and kl_grad_share.png:
+Writes <out>/two-hop/study.md, study.json, em_per_seed.png, kl_grad_share.png and train_reward.png:
     1. per arm and seed, the final held-out two-hop EM (greedy); the SFT start's
     2. the secondary outcome: the share of two-hop trajectories whose second search names the bridge city, the share
        that search twice or more, and the repeated-search rate (agent/diagnostics.py); per arm the mean over seeds
@@ -134,6 +134,11 @@ def finite_grad_share_count(metrics: list[dict]) -> int:
     return sum(1 for iteration, _ in finite_grad_shares(metrics) if iteration >= KL_FROM)
 
 
+def reward_curve(metrics: list[dict]) -> list[tuple[int, float]]:
+    """(iteration, train reward) for each logged iteration, its last line."""
+    return [(m["iteration"], m["rollout/reward"]) for m in last_per_iteration(metrics) if "rollout/reward" in m]
+
+
 def training_seconds(metrics: list[dict]) -> float:
     """The run's logged phases (`time/*`), every line: a resumed run's repeated iterations were machine time too
     (emapg/compare.py's work_minutes counts them the same way)."""
@@ -251,7 +256,7 @@ def collect(out: Path, iterations: int) -> dict:
     arms, seeds, comparisons = declared(study)
     sft_dir = study / "eval-sft"
     sft = evaluation_row(sft_dir, bridges) if is_finished(sft_dir) else None
-    runs, curves = [], {arm: {} for arm in arms}
+    runs, curves, rewards = [], {arm: {} for arm in arms}, {arm: {} for arm in arms}
     for arm in arms:
         for seed in seeds:
             folder = run_dir(study, seed, arm)
@@ -266,6 +271,7 @@ def collect(out: Path, iterations: int) -> dict:
                 row["kl_grad_share"] = mean_grad_share(metrics)
                 row["kl_grad_share_finite"] = finite_grad_share_count(metrics)
                 curves[arm][seed] = finite_grad_shares(metrics)
+                rewards[arm][seed] = reward_curve(metrics)
             runs.append(row)
     per_arm = {}
     for arm in arms:
@@ -282,6 +288,7 @@ def collect(out: Path, iterations: int) -> dict:
     total_s = sum(r["training_s"] + r["evaluation_s"] for r in runs) + sft_time["training_s"] + sft_time["evaluation_s"]
     return {"study": str(study), "final_iteration": iterations, "arms": arms, "seeds": seeds, "sft": sft,
             "sft_time": sft_time, "runs": runs, "per_arm": per_arm, "kl_grad_share_curves": curves,
+            "train_reward_curves": rewards,
             "speed_comparisons": speed_comparisons(runs, comparisons),
             "machine_hours": total_s / 3600}
 
@@ -385,7 +392,7 @@ def markdown(result: dict) -> str:
               (f"SFT start: training {t['training_s'] / 3600:.2f} h, evaluation {t['evaluation_s'] / 3600:.2f} h. "
                f"Total, every run made (finished or not) and the SFT start: {result['machine_hours']:.2f} h."), "",
               ("Plots: em_per_seed.png (final two-hop EM per seed and arm, seeds joined across arms; the SFT start "
-               "dashed), kl_grad_share.png (per arm: bold the mean across seeds, thin each seed).")]
+               "dashed), kl_grad_share.png and train_reward.png (per arm: bold the mean across seeds, thin each seed).")]
     return "\n".join(lines) + "\n"
 
 
@@ -430,20 +437,21 @@ def mean_curve(per_seed: dict[int, list[tuple[int, float]]]) -> list[tuple[int, 
     return [(i, sum(v) / len(v)) for i, v in sorted(by_iteration.items())]
 
 
-def plot_grad_share(result: dict, path: Path) -> None:
+def plot_per_arm(curves: dict[str, dict[int, list[tuple[int, float]]]], path: Path, ylabel: str, title: str) -> None:
+    """One colour per arm: each seed's curve thin, the mean across seeds bold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    for i, (arm, per_seed) in enumerate(result["kl_grad_share_curves"].items()):
+    for i, (arm, per_seed) in enumerate(curves.items()):
         for curve in per_seed.values():
             ax.plot([it for it, _ in curve], [s for _, s in curve], color=f"C{i}", alpha=0.25, linewidth=0.8)
         mean = mean_curve(per_seed)
         if mean:
             ax.plot([it for it, _ in mean], [s for _, s in mean], color=f"C{i}", linewidth=2, label=arm)
-    ax.set(xlabel="iteration", ylabel="kl/grad_share", title="KL term's share of the gradient (bold: mean of seeds)")
+    ax.set(xlabel="iteration", ylabel=ylabel, title=title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -456,11 +464,15 @@ def analyse(out: Path, iterations: int) -> dict:
     result = collect(out, iterations)
     study = out / NAME
     # JSON keys are strings: the curves as lists.
-    curves = {arm: {str(s): c for s, c in per_seed.items()} for arm, per_seed in result["kl_grad_share_curves"].items()}
-    (study / "study.json").write_text(json.dumps({**result, "kl_grad_share_curves": curves}, indent=1) + "\n")
+    curves = {key: {arm: {str(s): c for s, c in per_seed.items()} for arm, per_seed in result[key].items()}
+              for key in ("kl_grad_share_curves", "train_reward_curves")}
+    (study / "study.json").write_text(json.dumps({**result, **curves}, indent=1) + "\n")
     (study / "study.md").write_text(markdown(result))
     plot_em_per_seed(result, study / "em_per_seed.png")
-    plot_grad_share(result, study / "kl_grad_share.png")
+    plot_per_arm(result["kl_grad_share_curves"], study / "kl_grad_share.png", "kl/grad_share",
+                 "KL term's share of the gradient (bold: mean of seeds)")
+    plot_per_arm(result["train_reward_curves"], study / "train_reward.png", "train reward",
+                 "train reward (bold: mean of seeds)")
     return result
 
 
@@ -477,7 +489,7 @@ def main(
         iterations = load_config(config).train.iterations
     result = analyse(out, iterations)
     print(markdown(result))
-    print(f"wrote {out / NAME / 'study.md'}, study.json, em_per_seed.png, kl_grad_share.png")
+    print(f"wrote {out / NAME / 'study.md'}, study.json, em_per_seed.png, kl_grad_share.png, train_reward.png")
 
 
 if __name__ == "__main__":
