@@ -88,7 +88,8 @@ evidence-record:
 	  $$run/*/guard_events.jsonl $$run/compare.* $$run/plan.json $$run/seeds.* $$run/seed-*/sft_start.json \
 	  $$run/seed-*/compare.* $$run/seed-*/*/metrics.jsonl $$run/seed-*/*/guard_events.jsonl 2>/dev/null)
 
-# The two-hop study (docs/study_two_hop_plan.md; ~7 h of runs left when this was written, so several sessions): its
+# The two-hop study (docs/study_two_hop_plan.md; 7 runs left, which only an AMD EPYC machine can make: the SFT start is
+# remade bit for bit only on the CPU kind that made it, and compare refuses another): its
 # inputs (reused when on disk), its committed record unpacked (--skip-old-files: never over a newer file on disk),
 # then the study, which skips every finished run. `make two-hop-record` packs what finished into the record.
 # The Intel block (the plan's session 23): make two-hop TWO_HOP=artifacts/two-hop-intel
