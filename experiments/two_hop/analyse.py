@@ -149,7 +149,7 @@ def learning_speed(metrics: list[dict], early: int) -> dict:
     """Exploratory, not in the plan (it was added once the final EM was seen at its ceiling): the train reward's
     mean over iterations 1..`early` (None unless each was logged), and the first iteration whose train reward is
     1.0 (None if none)."""
-    rewards = {m["iteration"]: m["rollout/reward"] for m in last_per_iteration(metrics) if "rollout/reward" in m}
+    rewards = dict(reward_curve(metrics))
     window = [rewards[i] for i in range(1, early + 1) if i in rewards]
     return {"early_reward": sum(window) / early if len(window) == early else None,
             "first_full_reward": next((i for i in sorted(rewards) if rewards[i] >= 1.0), None)}
