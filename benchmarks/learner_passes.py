@@ -7,12 +7,12 @@ observations), so no download is needed. The learner is built as trainer.engine.
 AdamW, constant schedule). Prints one JSON line.
 
     python benchmarks/learner_passes.py [--layers 2] [--prompts 2] [--samples 2] [--micro 2] [--prompt-tokens 64]
-        [--turns 2] [--turn-tokens 48] [--obs-tokens 64] [--repeats 5] [--commit HASH] [--grad-share-cost]
+        [--turns 2] [--turn-tokens 48] [--obs-tokens 64] [--repeats 5] [--commit HASH] [--probe-cost]
 
 Run on two commits (before / after a learner change) it compares them: the JSON carries the commit, the passes, the
 median times over --repeats (variants interleaved, so a change in the machine's load hits each alike) and the first
 update's loss values from the same weights and batch (the same numbers = the same behaviour). With
---grad-share-cost (a learner that computes kl/grad_share), also what that diagnostic costs: EMA-k3's first
+--probe-cost, also what the gradient probe (trainer/gradient_probe.py) costs on the iteration it runs: EMA-k3's first
 micro-batch's forward + backward with and without it (medians over --repeats, alternated), against the update's time.
 """
 
@@ -34,6 +34,7 @@ from agent.trajectory import Trajectory
 from trainer.batch import RolloutBatch, collate
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
+from trainer.gradient_probe import GradientProbe
 from trainer.learner import Learner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,22 +98,25 @@ def count_passes(model, counts: Counter, name: str) -> None:
     model.get_decoder().register_forward_hook(lambda *_: counts.update([name]))
 
 
-def grad_share_cost(learner: Learner, batch: RolloutBatch, repeats: int) -> dict[str, float]:
-    """Median seconds of the first micro-batch's forward + backward without and with kl/grad_share."""
+def probe_cost(learner: Learner, batch: RolloutBatch, repeats: int) -> dict[str, float]:
+    """Median seconds of the first micro-batch's forward + backward without and with the gradient probe."""
     prepared = learner.prepare(batch)
     first = prepared.select(learner.micro_rows(prepared)[0])
     learner.policy.train()
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
-        for share in (False, True):
+        for probed in (False, True):
             learner.optimizer.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            learner.micro_loss(first, 1.0, kl_grad_share=share)
-            seconds[share].append(time.perf_counter() - start)
+            probe = GradientProbe([p for p in learner.policy.parameters() if p.requires_grad]) if probed else None
+            learner.micro_loss(first, 1.0, probe)
+            if probe is not None:
+                probe.finish()
+            seconds[probed].append(time.perf_counter() - start)
     learner.optimizer.zero_grad(set_to_none=True)
-    without, with_share = statistics.median(seconds[False]), statistics.median(seconds[True])
-    return {"micro_batch_s": round(without, 4), "with_share_s": round(with_share, 4),
-            "extra_s": round(with_share - without, 4)}
+    without, with_probe = statistics.median(seconds[False]), statistics.median(seconds[True])
+    return {"micro_batch_s": round(without, 4), "with_probe_s": round(with_probe, 4),
+            "extra_s": round(with_probe - without, 4)}
 
 
 def main() -> None:
@@ -127,7 +131,7 @@ def main() -> None:
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--commit", default=None, help="the code's commit, when it is not this checkout's HEAD")
-    ap.add_argument("--grad-share-cost", action="store_true", help="time the kl/grad_share diagnostic's backward")
+    ap.add_argument("--probe-cost", action="store_true", help="time the gradient probe's extra backward")
     args = ap.parse_args()
     args.vocab = 49152
     code = args.commit or commit()  # before the run: the code it runs
@@ -170,10 +174,10 @@ def main() -> None:
             times[name]["update_s"].append(t2 - t1)
 
     result = {}
-    if args.grad_share_cost:
-        result["grad_share_cost"] = grad_share_cost(learners["ema_k3"], batch, args.repeats)
-        result["grad_share_cost"]["over_update"] = round(
-            result["grad_share_cost"]["extra_s"] / statistics.median(times["ema_k3"]["update_s"]), 4)
+    if args.probe_cost:
+        result["probe_cost"] = probe_cost(learners["ema_k3"], batch, args.repeats)
+        result["probe_cost"]["over_update"] = round(
+            result["probe_cost"]["extra_s"] / statistics.median(times["ema_k3"]["update_s"]), 4)
     for name in VARIANTS:
         median = {k: statistics.median(v) for k, v in times[name].items()}
         result[name] = {**{k: round(v, 4) for k, v in median.items()},

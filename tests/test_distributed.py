@@ -148,11 +148,11 @@ def test_the_ddp_strategy_on_one_gloo_rank_gives_the_one_process_update(tiny_mod
         try:
             model = copy.deepcopy(tiny_model)
             torch.manual_seed(0)
-            learner = make_learner(model, 2, "token-mean", "k3")
+            learner = make_learner(model, 2, "token-mean", "k3", "train.grad_probe_every=1")
             assert type(learner.parallel) is (DDP if distributed else OneProcess)
             assert isinstance(learner.policy_logits, DistributedDataParallel) == distributed
             batch = learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id))
-            stats = learner.update(batch, torch.Generator().manual_seed(0))
+            stats = learner.update(batch, torch.Generator().manual_seed(0), iteration=1)
             results.append((batch.old_logprobs, batch.ref_token_logprob, stats,
                             torch.cat([p.grad.flatten() for p in model.parameters()])))
         finally:
@@ -162,6 +162,6 @@ def test_the_ddp_strategy_on_one_gloo_rank_gives_the_one_process_update(tiny_mod
     torch.testing.assert_close(ddp_old, old)
     torch.testing.assert_close(ddp_ref, ref)
     torch.testing.assert_close(ddp_grad, grad, rtol=1e-5, atol=1e-7)
-    assert "kl/grad_share" in stats and "kl/grad_share" not in ddp_stats  # one process only
+    assert "grad/kl_norm" in stats and "grad/kl_norm" not in ddp_stats  # the probe: one process only
     for key in ("loss", "policy_loss", "kl", "grad_norm"):
         assert ddp_stats[key] == pytest.approx(stats[key], rel=1e-6), key

@@ -245,7 +245,7 @@ def test_a_nan_in_one_micro_batch_leaves_weights_anchor_and_optimizer_bit_identi
 
 class FakeNanGradientOnce:
     """A fake fault (a post-accumulate hook): the first gradient accumulated into a weight's .grad is NaN; every loss
-    stays finite. After accumulation, not on the gradient's way: the learner's kl/grad_share diagnostic takes
+    stays finite. After accumulation, not on the gradient's way: the learner's gradient probe takes
     gradients of the KL term with torch.autograd.grad (nothing accumulated), and must not use up the fault."""
 
     def __init__(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -96,9 +97,8 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradient(ti
         del mlp.forward
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         layer_calls.append(len(calls))
-    # 2 micro-batches; checkpointed, each layer runs again in the backward pass, and once more in the first micro-batch's
-    # backward of the KL term alone (kl/grad_share)
-    assert layer_calls == [2, 5]
+    # 2 micro-batches; checkpointed, each layer runs again in the backward pass (no gradient probe: iteration 0)
+    assert layer_calls == [2, 4]
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7 * float(grads[0].abs().max()))
     assert grads[0].abs().sum() > 0
 
@@ -322,14 +322,9 @@ def test_shared_prefix_passes_give_the_whole_rows_values_and_gradient(tiny_model
         learner.update(batch, torch.Generator().manual_seed(0))
         del mlp.forward
         # Whole-rows passes over this learner's micro-batches: what the update costs without sharing (x 2: the
-        # checkpointed backward runs each layer again, and the first micro-batch's once more: kl/grad_share's backward
-        # of the KL term alone).
+        # checkpointed backward runs each layer again; no gradient probe at iteration 0).
         whole_rows = sum(len(r) * batch.select(r).input_ids.shape[1] for r in learner.micro_rows(batch))
-        mini = batch.select(torch.randperm(len(batch), generator=torch.Generator().manual_seed(0)))
-        first = learner.micro_rows(mini)[0]
-        share_backward = len(first) * mini.select(first).input_ids.shape[1] if checkpointing else 0
-        tokens.append((prepare_tokens, sum(seen) - prepare_tokens,
-                       whole_rows * (2 if checkpointing else 1) + share_backward))
+        tokens.append((prepare_tokens, sum(seen) - prepare_tokens, whole_rows * (2 if checkpointing else 1)))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         prepared.append((batch.old_logprobs, batch.ref_token_logprob, batch.topk_ids, batch.ref_topk_logprobs))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
@@ -432,9 +427,11 @@ def test_the_same_losses_as_before_the_learner_read_only_what_its_estimator_read
 
 
 @pytest.mark.parametrize(("estimator", "entropy_coef"), [("k3", 0.0), ("topk", 0.1)])
-def test_kl_grad_share_is_the_kl_terms_gradient_norm_over_the_rests(tiny_model, tokenizer, estimator, entropy_coef):
-    """kl/grad_share against the two gradients taken apart with torch.autograd.grad from the whole logits (one
-    micro-batch: the whole batch); beta 0 gives 0 and the KL off gives no share."""
+def test_gradient_probe_splits_the_first_steps_gradient_into_the_kl_terms_and_the_rest(tiny_model, tokenizer, estimator,
+                                                                                     entropy_coef):
+    """grad/* against the two gradients taken apart with torch.autograd.grad from the whole logits, over a step of two
+    micro-batches (the probe sums the KL term's part across them); beta 0 gives kl_norm 0 and a NaN cosine, the KL
+    off gives kl_norm 0, equal rewards give pg_norm 0 and a NaN (not inf) ratio, and off the period nothing."""
     from trainer.advantages import broadcast_to_tokens
     from trainer.kl import sampled_kl, topk_kl
     from trainer.policy_loss import masked_mean, ppo_clip_loss
@@ -443,10 +440,10 @@ def test_kl_grad_share_is_the_kl_terms_gradient_norm_over_the_rests(tiny_model, 
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     model = copy.deepcopy(tiny_model)
     torch.manual_seed(0)
-    learner = make_learner(model, 6, "token-mean", estimator, f"train.entropy_coef={entropy_coef}",
-                           "train.share_prefix=false")  # one micro-batch (shared-prefix runs could split the rows)
+    learner = make_learner(model, 3, "token-mean", estimator, f"train.entropy_coef={entropy_coef}",
+                           "train.share_prefix=false", "train.grad_probe_every=1")
     batch = learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id))
-    share = learner.update(batch, torch.Generator().manual_seed(0))["kl/grad_share"]
+    stats = learner.update(batch, torch.Generator().manual_seed(0), iteration=1)
 
     reference = copy.deepcopy(tiny_model)
     params = list(reference.parameters())
@@ -461,15 +458,39 @@ def test_kl_grad_share_is_the_kl_terms_gradient_norm_over_the_rests(tiny_model, 
     else:
         kl = topk_kl(logits, batch.ref_topk_logprobs, batch.ref_token_logprob, batch.topk_ids, ids,
                      direction="reverse", old_token_logprob=batch.old_logprobs)
-    kl_grad = torch.autograd.grad(0.5 * masked_mean(kl, mask), params, retain_graph=True)
-    rest_grad = torch.autograd.grad(rest, params)
-    expected = torch.cat([g.flatten() for g in kl_grad]).norm() / torch.cat([g.flatten() for g in rest_grad]).norm()
-    assert float(expected) > 1e-3 and share == pytest.approx(float(expected), rel=1e-3)
+    kl_grad = torch.cat([g.flatten() for g in torch.autograd.grad(0.5 * masked_mean(kl, mask), params,
+                                                                  retain_graph=True)]).double()
+    pg_grad = torch.cat([g.flatten() for g in torch.autograd.grad(rest, params)]).double()
+    assert float(kl_grad.norm()) > 1e-4 and float(pg_grad.norm()) > 1e-4
+    assert stats["grad/kl_norm"] == pytest.approx(float(kl_grad.norm()), rel=1e-3)
+    assert stats["grad/pg_norm"] == pytest.approx(float(pg_grad.norm()), rel=1e-3)
+    assert stats["grad/kl_pg_ratio"] == pytest.approx(float(kl_grad.norm() / pg_grad.norm()), rel=1e-3)
+    cosine = float(kl_grad @ pg_grad / (kl_grad.norm() * pg_grad.norm()))
+    assert stats["grad/kl_pg_cosine"] == pytest.approx(cosine, rel=1e-3, abs=1e-4)
 
-    for override, value in (("kl.beta=0", 0.0), ("kl.estimator=none", None)):
-        learner = make_learner(copy.deepcopy(tiny_model), 6, "token-mean", estimator, override)
-        stats = learner.update(learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id)))
-        assert stats.get("kl/grad_share") == value
+    def probed(advantages, *overrides, iteration=1):
+        learner = make_learner(copy.deepcopy(tiny_model), 3, "token-mean", estimator, "train.grad_probe_every=2",
+                               *overrides)
+        return learner.update(learner.prepare(collate(trajs, advantages, tokenizer.pad_token_id)),
+                              iteration=iteration)
+
+    for override in ("kl.beta=0", "kl.estimator=none"):
+        off = probed(advantages, override)
+        assert off["grad/kl_norm"] == 0.0 and off["grad/pg_norm"] > 0 and math.isnan(off["grad/kl_pg_cosine"])
+        assert off["grad/kl_pg_ratio"] == 0.0
+    flat = probed(torch.zeros(6))  # every group with equal rewards: no policy gradient, only the KL's
+    assert flat["grad/pg_norm"] == pytest.approx(0.0, abs=1e-9) and flat["grad/kl_norm"] > 0
+    assert math.isnan(flat["grad/kl_pg_ratio"]) and math.isnan(flat["grad/kl_pg_cosine"])
+    assert not any(key.startswith("grad/") for key in probed(advantages, iteration=2))  # 2 is off the period
+    assert "grad/pg_norm" in probed(advantages, iteration=3)
+
+
+def test_zero_advantage_groups_counts_the_groups_with_every_advantage_zero():
+    from trainer.gradient_probe import zero_advantage_groups
+
+    advantages = torch.tensor([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.0])
+    assert zero_advantage_groups(advantages, ["a", "a", "b", "b", "c", "c", "d"]) == 3  # a, c and d (a group of one)
+    assert zero_advantage_groups(advantages, ["a", "a", "a", "a", "a", "a", "a"]) == 0
 
 
 @pytest.mark.parametrize("estimator", ["k3", "k1", "topk"])

@@ -165,22 +165,22 @@ def result(method: str, seed: int, em: float, collapsed: bool = False) -> dict:
 
 
 def test_summary_groups_cells_and_pairs_by_seed():
-    results = [result("grpo", s, 0.5) for s in range(3)] + [result("ema-topk", s, 0.6 + 0.01 * s) for s in range(3)]
-    results.append(result("grpo", 3, 0.0, collapsed=True))
-    summary = summarise(results, ["grpo", "ema-k3", "ema-topk"])
+    results = [result("GRPO", s, 0.5) for s in range(3)] + [result("EMA-PG", s, 0.6 + 0.01 * s) for s in range(3)]
+    results.append(result("GRPO", 3, 0.0, collapsed=True))
+    summary = summarise(results, ["GRPO", "EMA-k3", "EMA-PG"])
     cells = {c["method"]: c for c in summary["cells"]}
-    assert cells["grpo"]["n"] == 4 and cells["grpo"]["collapsed"][0] == 1
-    assert cells["ema-topk"]["variance_ratio"][0] == pytest.approx(100.0)
-    assert cells["ema-topk"]["median_variance_ratio"][0] == pytest.approx(10.0)
+    assert cells["GRPO"]["n"] == 4 and cells["GRPO"]["collapsed"][0] == 1
+    assert cells["EMA-PG"]["variance_ratio"][0] == pytest.approx(100.0)
+    assert cells["EMA-PG"]["median_variance_ratio"][0] == pytest.approx(10.0)
     em = next(c for c in summary["comparisons"] if c["metric"] == "em")
-    assert (em["a"], em["b"], em["n"], em["wins"]) == ("ema-topk", "grpo", 3, 3)  # seed 3 has no pair
+    assert (em["a"], em["b"], em["n"], em["wins"]) == ("EMA-PG", "GRPO", 3, 3)  # seed 3 has no pair
     # Holm over every comparison reported (4 metrics here): 2 / 2^3 x 4 = 1 at most.
     assert [c["holm_p"] for c in summary["comparisons"]] == holm([c["p"] for c in summary["comparisons"]])
     assert em["p"] == 0.25 and em["holm_p"] == 1.0
 
 
 def test_grid_is_two_slices_seed_major():
-    sweep = SweepSection(methods=["grpo", "ema-topk"], lrs=[1e-4, 1e-3], betas=[0.01, 0.1], lr_at=1e-3, beta_at=0.1,
+    sweep = SweepSection(methods=["GRPO", "EMA-PG"], lrs=[1e-4, 1e-3], betas=[0.01, 0.1], lr_at=1e-3, beta_at=0.1,
                          seeds=[0, 1])
     cells = grid(sweep)
     points = {(c.lr, c.beta) for c in cells}
@@ -189,15 +189,26 @@ def test_grid_is_two_slices_seed_major():
     assert all(Cell.parse(c.name) == c for c in cells)
 
 
-@pytest.mark.parametrize("method", ["grpo", "ema-k3", "ema-topk", "grpo-k3c"])
+def test_a_method_with_its_own_beta_runs_once_per_learning_rate_at_that_beta():
+    sweep = SweepSection(methods=["GRPO-k3c", "GRPO-floor"], lrs=[1e-3, 3e-3], betas=[0.1, 1.0], lr_at=1e-3,
+                         beta_at=0.1, seeds=[7])
+    floor = [c for c in grid(sweep) if c.method == "GRPO-floor"]
+    assert [(c.lr, c.beta) for c in floor] == [(1e-3, 0.001), (3e-3, 0.001)]
+    cfg = load_config(overrides=train_overrides(study_config("study"), floor[0]))
+    assert cfg.kl.beta == 0.001 and cfg.kl.estimator == "k3_clamped" and cfg.train.grad_probe_every == 1
+    with pytest.raises(ValueError, match="GRPO-floor runs at beta 0.001"):
+        train_overrides(study_config("study"), Cell("GRPO-floor", 1e-3, 0.1, 7))
+
+
+@pytest.mark.parametrize("method", ["GRPO", "EMA-k3", "EMA-PG", "GRPO-k3c", "EMA-k3c"])
 def test_cell_overrides_make_a_valid_train_config_that_differs_only_by_method(method):
     study = study_config("study")
     cell = Cell(method, 3e-3, 0.5, 2)
     cfg = load_config(overrides=train_overrides(study, cell))
     assert (cfg.train.lr, cfg.kl.beta, cfg.seed, cfg.rollout.backend) == (3e-3, 0.5, 2, "transformers")
-    assert cfg.ema.tau == (1.0 if method.startswith("grpo") else study.rl.ema_tau)
-    assert cfg.kl.estimator == {"ema-topk": "topk", "grpo-k3c": "k3_clamped"}.get(method, "k3")
-    assert cfg.kl.importance_weight is (method != "grpo-k3c")  # the authors' baseline weighs nothing
+    assert cfg.ema.tau == (1.0 if method.startswith("GRPO") else study.rl.ema_tau)
+    assert cfg.kl.estimator == {"EMA-PG": "topk", "GRPO-k3c": "k3_clamped", "EMA-k3c": "k3_clamped"}.get(method, "k3")
+    assert cfg.kl.importance_weight is not method.endswith("k3c")  # the authors' baseline weighs nothing
     assert cfg.train.iterations == study.rl.iterations == cfg.checkpoint.every
 
 
@@ -205,6 +216,6 @@ def test_bad_study_settings_are_refused():
     with pytest.raises(ValueError, match="preset"):
         study_config("huge")
     with pytest.raises(ValueError, match="methods"):
-        study_config("toy", methods=["ppo"])
+        study_config("toy", methods=["PPO"])
     with pytest.raises(ValueError, match="not a cell name"):
         Cell.parse("grpo-lr1")

@@ -47,15 +47,16 @@ def test_the_study_runs_resumes_and_refuses_another_setup(tmp_path):
     assert list((out / "policy" / "sft" / "checkpoints").iterdir())
     assert 0 <= json.loads((out / "sft_eval.json").read_text())["em"] <= 1
 
-    result_path = out / "cells" / "grpo_lr0.001_beta0.1_seed0" / "result.json"
+    result_path = out / "cells" / "GRPO_lr0.001_beta0.1_seed0" / "result.json"
     result = json.loads(result_path.read_text())
-    assert (result["method"], result["iterations"], result["error"]) == ("grpo", 1, None)
+    assert (result["method"], result["iterations"], result["error"]) == ("GRPO", 1, None)
     assert len(result["curve"]["reward"]) == 1 and 0 <= result["auc"] <= 1
     assert set(result["final"]) >= {"em", "searches", "n"}
+    assert result["grad"]["grad/pg_norm"][0] >= 0 and result["grad"]["grad/zero_advantage_groups"][0] >= 0
     diagnostic = result["kl_gradient"]
     assert diagnostic["states"] > 0 and diagnostic["variance_k3"] >= 0 and diagnostic["variance_topk"] >= 0
     assert not (result_path.parent / "checkpoints").exists()  # measured, then deleted
-    assert (out / "summary.md").read_text().count("| grpo |") == 1
+    assert (out / "summary.md").read_text().count("| GRPO |") == 1
     assert (out / "curves.png").exists() and (out / "final.png").exists()
     assert servers_on(out / "index") == []
 

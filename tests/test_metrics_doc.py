@@ -80,11 +80,11 @@ def test_merge_metrics_refuses_a_key_two_sources_produce():
 
 
 def test_namespaced_places_flat_names_and_keeps_namespaced_ones():
-    stats = {"policy_loss": 0.1, "kl": 0.01, "time_update_s": 2.0, "kl/grad_share": 0.003}
+    stats = {"policy_loss": 0.1, "kl": 0.01, "time_update_s": 2.0, "grad/kl_norm": 0.003}
     assert namespaced(stats) == {"loss/policy": 0.1, "kl/anchor": 0.01, "time/update_s": 2.0,
-                                 "kl/grad_share": 0.003}
-    with pytest.raises(KeyError, match="'grad_share' has no namespace"):
-        namespaced({"grad_share": 0.003})
+                                 "grad/kl_norm": 0.003}
+    with pytest.raises(KeyError, match="'kl_norm' has no namespace"):
+        namespaced({"kl_norm": 0.003})
     with pytest.raises(KeyError, match="'learner/x' has no namespace"):
         namespaced({"learner/x": 1.0})
     with pytest.raises(ValueError, match="two sources"):  # a flat name and its namespaced one

@@ -16,7 +16,7 @@ import numpy as np
 from data.qa import QAExample
 from trainer.config import TrainConfig
 
-NAMESPACES = ("rollout", "loss", "kl", "time", "guard")
+NAMESPACES = ("rollout", "loss", "kl", "grad", "time", "guard")
 
 # The flat names -> the logged ones. Flat are what trainer.learner and trainer.engine return (trainer.loop places
 # them; a name they return as "<namespace>/<name>" is kept) and what runs logged before the namespaces (the records

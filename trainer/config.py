@@ -92,6 +92,10 @@ class TrainSection(Section):
     # (rows sharing a prefix side by side), split where the decoder computes fewest tokens, instead of by length.
     # False (and always under FSDP, whose ranks must run the same passes): every row runs whole, length-sorted.
     share_prefix: bool = True
+    # The gradient probe (trainer/gradient_probe.py: grad/pg_norm, grad/kl_norm, their cosine and ratio) on the first
+    # optimizer step of iterations 1, 1 + N, 1 + 2N, ...; it costs one backward of the KL term alone per micro-batch of
+    # that step. 10 keeps it near 4% of a one-mini-batch iteration (docs/metrics.md); 1 for a study; 0 off.
+    grad_probe_every: int = Field(10, ge=0)
 
     @field_validator("aggregation")
     @classmethod

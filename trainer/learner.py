@@ -9,7 +9,7 @@
     then the caller applies the EMA anchor update on its period.
 
 Stats come back under flat names, which trainer.bookkeeping.namespaced maps to the logged ones (`kl` -> kl/anchor,
-...), except kl/grad_share, returned under its logged name.
+...), except the gradient probe's grad/ metrics (trainer.gradient_probe), returned under their logged names.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
 from trainer.data_parallel import data_parallel
 from trainer.ema import EmaAnchor, LoraEmaAnchor
 from trainer.forward import ResponseLogprobs, autocast
+from trainer.gradient_probe import GradientProbe
 from trainer.guard import StepGuard
 from trainer.kl import KLInputs
 from trainer.logprobs import TokenLogprobs
@@ -52,20 +53,6 @@ def enable_gradient_checkpointing(model) -> None:
     passes; its no-grad passes run in eval mode). Non-reentrant: the one that composes with FSDP2 and with inputs
     that need no gradient. Called before sharding."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def gradient_share(part: list[Tensor | None], whole: list[Tensor | None]) -> float:
-    """||part|| / ||whole - part|| over parameters: a loss term's share of the gradient against the rest of it."""
-    part_sq = rest_sq = 0.0
-    for p, w in zip(part, whole, strict=True):
-        if w is None:
-            continue
-        p = torch.zeros_like(w) if p is None else p
-        part_sq += float(p.double().square().sum())
-        rest_sq += float((w - p).double().square().sum())
-    if rest_sq == 0.0:
-        return 0.0 if part_sq == 0.0 else math.inf
-    return math.sqrt(part_sq / rest_sq)
 
 
 class Learner:
@@ -190,10 +177,9 @@ class Learner:
         )
         return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
-    def micro_loss(self, mb: PreparedBatch, weight: float, kl_grad_share: bool = False) -> dict[str, float]:
-        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats. With
-        `kl_grad_share`, also kl/grad_share: ||beta grad KL|| / ||grad of the rest of the loss|| on this micro-batch
-        (one backward more, of the KL term alone; read before any other micro-batch's gradient accumulates)."""
+    def micro_loss(self, mb: PreparedBatch, weight: float, probe: GradientProbe | None = None) -> dict[str, float]:
+        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats. With a `probe`,
+        the KL term's share of that gradient is also taken apart for it (one backward more, of the KL term alone)."""
         mask = mb.loss_mask
         ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for estimators reading them
         if self.reads_topk:
@@ -226,29 +212,31 @@ class Learner:
         out["loss"] = float(loss.detach())
         # DDP and FSDP average gradients over ranks; x world_size makes it the sum of the ranks' shares of the mean.
         scale = weight * self.parallel.world_size
-        share = kl_grad_share and kl_term is not None and kl_term.requires_grad
-        if share:
-            trained = [p for p in self.policy.parameters() if p.requires_grad]
-            kl_grads = torch.autograd.grad(kl_term * scale, trained, retain_graph=True, allow_unused=True)
+        if probe is not None and kl_term is not None:
+            probe.add(kl_term * scale)
         (loss * scale).backward()
-        out = {k: v * weight for k, v in out.items()}
-        if share:  # the first micro-batch of a step: .grad holds its gradient alone
-            out["kl/grad_share"] = gradient_share(list(kl_grads), [p.grad for p in trained])
-        return out
+        return {k: v * weight for k, v in out.items()}
+
+    def probe_now(self, iteration: int) -> GradientProbe | None:
+        """A probe for this iteration's first step, every `train.grad_probe_every` iterations from the first (one
+        process only: under DDP/FSDP the extra backward would have to run on every rank, in lockstep)."""
+        every = self.train.grad_probe_every
+        if every == 0 or (iteration - 1) % every or self.parallel.lockstep:
+            return None
+        return GradientProbe([p for p in self.policy.parameters() if p.requires_grad])
 
     def update(self, batch: PreparedBatch, generator: torch.Generator | None = None,
                iteration: int = 0) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of prepare()'s batch; returns stats averaged over the optimizer steps
-        taken, and kl/grad_share on the first micro-batch (one process only: under DDP/FSDP the extra backward
-        would have to run on every rank). With the guard on, a step with a non-finite micro-batch loss or gradient
-        norm is skipped whole (`guard_skipped_steps`)."""
+        taken, and on a probed iteration (`probe_now`) the grad/ metrics of its first optimizer step. With the guard
+        on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
         if not isinstance(batch, PreparedBatch):
             raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
         parallel = self.parallel
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
-        grad_share = {}
+        probe, probed = self.probe_now(iteration), {}
         steps = skipped = 0
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
@@ -264,14 +252,13 @@ class Learner:
                     if weight == 0.0 and not parallel.lockstep:  # DDP/FSDP need every rank's backward passes
                         continue
                     with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
-                        micro_stats = self.micro_loss(mini.select(rows), weight,
-                                                      kl_grad_share=not grad_share and not parallel.lockstep)
-                    if "kl/grad_share" in micro_stats:
-                        grad_share["kl/grad_share"] = micro_stats.pop("kl/grad_share")
+                        micro_stats = self.micro_loss(mini.select(rows), weight, probe)
                     if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
                         bad_micro_batch = parallel.rank + i * parallel.world_size
                     for key, value in micro_stats.items():
                         micro_totals[key] += value
+                if probe is not None:  # before clipping: the gradient as the loss made it
+                    probed, probe = probe.finish(), None
                 # After the all-reduce (DDP/FSDP): the same norm on every rank.
                 grad_norm = parallel.whole(torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                                           self.train.grad_clip))
@@ -303,4 +290,4 @@ class Learner:
         stats["sampler_trainer_logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         stats["optimizer_steps"] = steps
         stats["guard_skipped_steps"] = skipped
-        return {**stats, **grad_share}
+        return {**stats, **probed}

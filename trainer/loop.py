@@ -41,6 +41,7 @@ from trainer.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.diagnostics import zero_variance_share
 from trainer.engine import Engine
+from trainer.gradient_probe import zero_advantage_groups
 from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate
 from trainer.registry import ADVANTAGE_ESTIMATORS
 from trainer.reward import Score, reward
@@ -144,6 +145,7 @@ class Trainer:
         advantages = advantage_estimator(torch.tensor([s.reward for s in scores]), [traj.group_id for traj in trajs],
                                          normalize_std=t.normalize_adv_std)
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
+        stats["grad/zero_advantage_groups"] = zero_advantage_groups(advantages, [traj.group_id for traj in trajs])
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
         # The engine's stats come under flat names (trainer.bookkeeping.FLAT_NAMES); rollout/retrieval_wait_s is part
         # of time/rollout_s (time/ are the iteration's phases).

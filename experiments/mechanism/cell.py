@@ -42,6 +42,7 @@ from trainer.loop import Trainer
 
 SMOOTH = 5  # iterations in the trailing mean of the reward curve
 FINITE_KEYS = ("loss/total", "loss/policy", "kl/anchor", "loss/grad_norm")
+GRAD_KEYS = ("grad/pg_norm", "grad/kl_norm", "grad/kl_pg_cosine", "grad/kl_pg_ratio", "grad/zero_advantage_groups")
 
 
 def smoothed(values: list[float], window: int = SMOOTH) -> list[float]:
@@ -128,6 +129,7 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
               # result.json's curves keep the short (flat) names analysis.py reads
               "curve": {key: [m.get(FLAT_NAMES[key]) for m in metrics] for key in
                         ("reward", "em", "kl", "grad_norm", "entropy", "searches", "anchor_distance", "clip_fraction")},
+              "grad": {key: [m.get(key) for m in metrics] for key in GRAD_KEYS},  # None off the probe's period
               **curve_summary([m["rollout/reward"] for m in metrics], finite)}
 
     start = time.perf_counter()
@@ -144,8 +146,9 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
         result["final"] = greedy_eval(policy, tokenizer, retriever, test,
                                       eval_settings(r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens))
         last = run_dir / "trajectories" / f"iter-{len(metrics):06d}.jsonl"
-        result["kl_gradient"] = kl_gradient_diagnostic(policy, anchor, list(load_jsonl(last)), tokenizer.pad_token_id,
-                                                       study.diagnostic.states, r.topk, cell.seed)
+        result["kl_gradient"] = kl_gradient_diagnostic(
+            policy, anchor, list(load_jsonl(last)), tokenizer.pad_token_id, study.diagnostic.states, r.topk,
+            cell.seed) if study.diagnostic.kl_gradient else None
     else:  # a diverged policy answers nothing: its held-out EM is 0, not measured
         result["final"] = {"em": 0.0, "searches": 0.0, "n": 0.0, "not_evaluated": "the run did not finish finitely"}
         result["kl_gradient"] = None

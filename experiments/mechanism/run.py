@@ -111,12 +111,13 @@ def load_test(out: Path, study: StudyConfig):
 def main(
     out: Annotated[Path, typer.Option(help="the study's folder (resumed when it exists)")] = Path("artifacts/mechanism"),
     preset: Annotated[str, typer.Option(help=f"setup size: {', '.join(PRESETS)}")] = "study",
-    methods: Annotated[str | None, typer.Option(help="comma-separated: grpo,ema-k3,ema-topk,grpo-k3c")] = None,
+    methods: Annotated[str | None, typer.Option(help="comma-separated trainer/methods.py names, e.g. GRPO,EMA-PG")] = None,
     lrs: Annotated[str | None, typer.Option(help="comma-separated learning rates (the lr slice)")] = None,
     betas: Annotated[str | None, typer.Option(help="comma-separated betas (the beta slice)")] = None,
     lr_at: Annotated[float | None, typer.Option(help="the beta slice's learning rate")] = None,
     beta_at: Annotated[float | None, typer.Option(help="the lr slice's beta")] = None,
     seeds: Annotated[str | None, typer.Option(help="e.g. 0-4 or 0,2")] = None,
+    init_seed: Annotated[int | None, typer.Option(help="the SFT start's policy.init_seed (one block of a study)")] = None,
     max_cells: Annotated[int | None, typer.Option(min=0, help="run at most this many new cells, then analyse")] = None,
     analyse_only: Annotated[bool, typer.Option(help="only rebuild summary.md and the plots")] = False,
     threads: Annotated[int, typer.Option(min=1, help="torch threads (1 is fastest on a shared 2-core machine)")] = 1,
@@ -130,7 +131,7 @@ def main(
 
     torch.set_num_threads(threads)
     try:
-        study = study_config(preset, methods=methods and methods.split(","), lrs=_floats(lrs), betas=_floats(betas),
+        study = study_config(preset, init_seed, methods=methods and methods.split(","), lrs=_floats(lrs), betas=_floats(betas),
                              lr_at=lr_at, beta_at=beta_at, seeds=_ints(seeds))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

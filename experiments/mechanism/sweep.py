@@ -1,11 +1,9 @@
 """The study's settings (one typed config) and its sweep: methods x learning rates x betas x seeds.
 
-Methods differ only in the anchor and the KL estimator; everything else is the same config:
-    grpo      fixed reference (ema.tau = 1) + k3           plain GRPO
-    ema-k3    EMA anchor + k3                              the anchor alone
-    ema-topk  EMA anchor + Top-k (reverse, unbiased)       EMA-PG
-    grpo-k3c  fixed reference + the authors' clamped k3    GRPO as the authors run it (verl's low_var_kl, no
-                                                           importance weight; added to rerun the lr 3e-3 cell)
+The methods are trainer/methods.py's (GRPO, EMA-k3, EMA-PG, GRPO-k3c, GRPO-floor, EMA-k3c, ...): they differ only in
+the anchor and the KL estimator (and GRPO-floor in its fixed beta); everything else is the same config. The EMA
+methods' tau is the study's `rl.ema_tau`. (Before issue 44 the sweep had its own names: grpo = GRPO, ema-k3 = EMA-k3,
+ema-topk = EMA-PG, grpo-k3c = GRPO-k3c.)
 
 The grid is two slices through (lr, beta), not their full product: every lr at `beta_at`, every beta at `lr_at`
 (the shared point once). That asks the two questions of the issue (where does GRPO become unstable as lr grows; where
@@ -17,19 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer.config import Section  # extra keys forbidden: a typo is an error, as in a training config
-from trainer.methods import AUTHORS_K3
-
-METHODS = {
-    "grpo": {"ema.tau": 1.0, "kl.estimator": "k3"},
-    "ema-k3": {"kl.estimator": "k3"},
-    "ema-topk": {"kl.estimator": "topk"},
-    "grpo-k3c": {"ema.tau": 1.0, **AUTHORS_K3},
-}
+from trainer.methods import METHODS
 
 
 class KBSection(Section):
@@ -76,16 +65,18 @@ class RLSection(Section):
     max_tokens_per_turn: int = Field(16, ge=1)
     max_obs_tokens: int = Field(100, ge=1)
     retriever_topk: int = Field(1, ge=1)  # one document per search: the answer is its last word (kb.py)
+    grad_probe_every: int = Field(1, ge=0)  # the grad/ metrics on every iteration (train.grad_probe_every)
 
 
 class DiagnosticSection(Section):
+    kl_gradient: bool = True  # the exact KL-gradient variance of k3 and Top-k at the last rollouts' states
     states: int = Field(128, ge=1)  # model-token positions of the last iteration's rollouts, per run
     test_questions: int = Field(200, ge=1)  # held-out questions of the final greedy evaluation
 
 
 class SweepSection(Section):
-    # grpo-k3c is not in the default sweep (its results were made without it); name it to run it.
-    methods: list[Literal["grpo", "ema-k3", "ema-topk", "grpo-k3c"]] = ["grpo", "ema-k3", "ema-topk"]
+    # trainer/methods.py's names; the default is the first sweep's three (issue 17).
+    methods: list[str] = ["GRPO", "EMA-k3", "EMA-PG"]
     # From the pilot (seed 0, docs/benchmarks.md): at beta 0.1 GRPO learns at lr 3e-4 and collapses at 3e-3; at
     # lr 3e-4 a fixed reference visibly slows learning from beta 1 and stalls it at beta 3.
     lrs: list[float] = [3e-4, 1e-3, 3e-3]
@@ -93,6 +84,14 @@ class SweepSection(Section):
     lr_at: float = 3e-4  # the beta slice's learning rate
     beta_at: float = 0.1  # the lr slice's beta
     seeds: list[int] = [0, 1, 2, 3, 4]
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, names: list[str]) -> list[str]:
+        unknown = [name for name in names if name not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)} (trainer/methods.py)")
+        return names
 
 
 class StudyConfig(Section):
@@ -124,15 +123,25 @@ TOY = {
     "rl": {"iterations": 1, "prompts_per_iteration": 2, "rollouts_per_prompt": 2, "mini_batch_size": 4,
            "micro_batch_size": 4, "topk": 4, "max_tokens_per_turn": 8},
     "diagnostic": {"states": 4, "test_questions": 4},
-    "sweep": {"methods": ["grpo"], "lrs": [1e-3], "betas": [0.1], "lr_at": 1e-3, "beta_at": 0.1, "seeds": [0]},
+    "sweep": {"methods": ["GRPO"], "lrs": [1e-3], "betas": [0.1], "lr_at": 1e-3, "beta_at": 0.1, "seeds": [0]},
 }
-PRESETS = {"study": {}, "toy": TOY}
+# Study A of issue 43 (docs/study_stability_plan.md): the learning-rate slice at beta 0.1 with trainer/methods.py's
+# four arms, no KL-gradient-variance diagnostic (not among its outcomes); the seeds and SFT start come per block.
+STABILITY = {
+    "diagnostic": {"kl_gradient": False},
+    "sweep": {"methods": ["GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG"], "lrs": [1e-3, 2e-3, 3e-3, 5e-3],
+              "betas": [0.1], "lr_at": 3e-3, "beta_at": 0.1},
+}
+PRESETS = {"study": {}, "toy": TOY, "stability": STABILITY}
 
 
-def study_config(preset: str = "study", **sweep_overrides) -> StudyConfig:
+def study_config(preset: str = "study", init_seed: int | None = None, **sweep_overrides) -> StudyConfig:
+    """The preset's setup, with the SFT start's `policy.init_seed` (a block of a study) and the sweep's axes given."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     raw = {section: dict(values) for section, values in PRESETS[preset].items()}
+    if init_seed is not None:
+        raw["policy"] = {**raw.get("policy", {}), "init_seed": init_seed}
     raw["sweep"] = {**raw.get("sweep", {}), **{k: v for k, v in sweep_overrides.items() if v is not None}}
     return StudyConfig.model_validate(raw)
 
@@ -150,7 +159,7 @@ class Cell:
 
     @classmethod
     def parse(cls, name: str) -> Cell:
-        m = re.fullmatch(r"(?P<method>[a-z0-9-]+)_lr(?P<lr>[^_]+)_beta(?P<beta>[^_]+)_seed(?P<seed>\d+)", name)
+        m = re.fullmatch(r"(?P<method>[A-Za-z0-9-]+)_lr(?P<lr>[^_]+)_beta(?P<beta>[^_]+)_seed(?P<seed>\d+)", name)
         if m is None:
             raise ValueError(f"not a cell name: {name!r}")
         return cls(m["method"], float(m["lr"]), float(m["beta"]), int(m["seed"]))
@@ -159,21 +168,29 @@ class Cell:
         return out / "cells" / self.name / "result.json"
 
 
+def method_beta(method: str, beta: float) -> float:
+    """The beta a cell of `method` runs at: the method's own where it fixes one (GRPO-floor's 0.001), else `beta`."""
+    return float(METHODS[method].overrides.get("kl.beta", beta))
+
+
 def grid(sweep: SweepSection) -> list[Cell]:
     """Seed-major (every (method, lr, beta) of seed 0, then of seed 1, ...), so that an interrupted sweep has whole
-    paired comparisons for the seeds it finished."""
+    paired comparisons for the seeds it finished. A method with a fixed beta runs once per learning rate."""
     points = [(lr, sweep.beta_at) for lr in sweep.lrs] + [(sweep.lr_at, b) for b in sweep.betas]
-    points = list(dict.fromkeys(points))  # the shared point once, order kept
-    return [Cell(method, lr, beta, seed) for seed in sweep.seeds for lr, beta in points for method in sweep.methods]
+    cells = [Cell(method, lr, method_beta(method, beta), seed)
+             for seed in sweep.seeds for lr, beta in points for method in sweep.methods]
+    return list(dict.fromkeys(cells))  # the shared point once, order kept
 
 
 def train_overrides(study: StudyConfig, cell: Cell) -> list[str]:
     """trainer/config.py overrides for one cell's RL run."""
     rl = study.rl
-    method = {"ema.tau": rl.ema_tau, **METHODS[cell.method]}
+    if method_beta(cell.method, cell.beta) != cell.beta:
+        raise ValueError(f"cell {cell.name}: {cell.method} runs at beta {method_beta(cell.method, cell.beta):g}")
+    method = {"ema.tau": rl.ema_tau, **METHODS[cell.method].overrides}
     return [
-        f"seed={cell.seed}", f"train.lr={cell.lr}", f"kl.beta={cell.beta}",
-        *(f"{key}={value}" for key, value in method.items()),
+        f"seed={cell.seed}", f"train.lr={cell.lr}",
+        *(f"{key}={value}" for key, value in method.items()), f"kl.beta={cell.beta}",
         f"kl.topk={rl.topk}", f"ema.period={rl.ema_period}",
         f"train.iterations={rl.iterations}", f"train.prompts_per_iteration={rl.prompts_per_iteration}",
         f"train.rollouts_per_prompt={rl.rollouts_per_prompt}", f"train.mini_batch_size={rl.mini_batch_size}",
@@ -181,5 +198,5 @@ def train_overrides(study: StudyConfig, cell: Cell) -> list[str]:
         f"rollout.max_turns={rl.max_turns}", f"rollout.max_tokens_per_turn={rl.max_tokens_per_turn}",
         f"rollout.max_obs_tokens={rl.max_obs_tokens}", "rollout.backend=transformers",
         f"rollout.max_in_flight={rl.prompts_per_iteration * rl.rollouts_per_prompt}", f"retriever.topk={rl.retriever_topk}",
-        f"checkpoint.every={rl.iterations}", "checkpoint.keep=1",
+        f"checkpoint.every={rl.iterations}", "checkpoint.keep=1", f"train.grad_probe_every={rl.grad_probe_every}",
     ]
