@@ -171,15 +171,14 @@ def run_config(start: Path, root: Path) -> dict | None:
 
 
 def scores(trajs: list[Trajectory], config: dict | None, training: bool) -> tuple[list[float], list[float | None]]:
-    """Rewards and advantages as the trainer computed them (trainer.reward, the configured advantage estimator over
-    the iteration's groups), recomputed from the run's config; an evaluation's reward is its EM and it has no
-    advantages. Without a config a training file's reward is EM alone and its advantages unknown (None)."""
-    import torch
+    """Rewards and advantages as the trainer computed them (trainer.scoring, the training loop's own function),
+    recomputed from the run's config; an evaluation's reward is its EM and it has no advantages. Without a config a
+    training file's reward is EM alone and its advantages unknown (None)."""
     from pydantic import ValidationError
 
     from trainer.config import TrainConfig
-    from trainer.registry import ADVANTAGE_ESTIMATORS
     from trainer.reward import reward
+    from trainer.scoring import score_rollouts
 
     if not training:
         return [float(exact_match(t.answer, t.golden_answers)) for t in trajs], [None] * len(trajs)
@@ -187,13 +186,10 @@ def scores(trajs: list[Trajectory], config: dict | None, training: bool) -> tupl
         cfg = TrainConfig.model_validate(config) if config is not None else None
     except ValidationError:  # a config of another version of the code: its rewards and advantages are not known
         cfg = None
-    rewards = [reward(t, cfg.reward.format if cfg else 0.0).reward for t in trajs]
     if cfg is None:
-        return rewards, [None] * len(trajs)
-    estimator = ADVANTAGE_ESTIMATORS.get(cfg.train.advantage)
-    advantages = estimator(torch.tensor(rewards), [t.group_id for t in trajs],
-                           normalize_std=cfg.train.normalize_adv_std)
-    return rewards, [float(a) for a in advantages]
+        return [reward(t).reward for t in trajs], [None] * len(trajs)
+    scored = score_rollouts(trajs, cfg)
+    return [s.reward for s in scored.scores], [float(a) for a in scored.advantages]
 
 
 def summary(traj: Trajectory) -> dict:

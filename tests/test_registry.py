@@ -94,15 +94,35 @@ def test_each_module_registers_exactly_the_names_its_registry_declares():
     assert declared == registered
 
 
-def test_a_declared_name_whose_module_is_not_imported_says_which_module():
+def test_a_lookup_imports_the_defining_module_and_a_declared_name_it_lacks_says_which_module():
     from trainer.registry import Registry
 
-    table = Registry("KL estimator", "trainer.somewhere", {"k7": KLReads("token")})
+    table = Registry("KL estimator", "trainer.gradient_probe", {"k7": KLReads("token")})
     assert table.names() == ("k7",) and table.declaration("k7") == KLReads("token")
-    with pytest.raises(ValueError, match="registered by trainer.somewhere, which is not imported"):
-        table.get("k7")
+    with pytest.raises(ValueError, match="declared for trainer.gradient_probe, which does not register it"):
+        table.get("k7")  # the module imports fine, and registers no k7
+    with pytest.raises(ModuleNotFoundError, match="trainer.somewhere"):
+        Registry("KL estimator", "trainer.somewhere", {"k7": KLReads("token")}).get("k7")
     with pytest.raises(ValueError, match="declared as .* but registered as"):
         table.add("k7", squared_log_ratio, KLReads("topk"))
+
+
+def test_every_registry_resolves_its_entries_in_a_fresh_process_that_imported_only_the_registry():
+    """The bug of issue 44: `ADVANTAGE_ESTIMATORS.get("grpo")` failed in any process that had not imported
+    trainer.advantages (the viewer's); a lookup now imports it. Validating a config still imports no torch."""
+    code = (
+        "import json, sys\n"
+        "from trainer.config import load_config\n"
+        "load_config(overrides=['kl.estimator=k3'])\n"
+        "torch_after_config = 'torch' in sys.modules\n"
+        "from trainer import registry\n"
+        "found = [registry.ADVANTAGE_ESTIMATORS.get('grpo').__name__, registry.KL_ESTIMATORS.get('k3').fn.__name__,\n"
+        "         registry.LOSS_AGGREGATIONS.get('token-mean').reduce.__name__]\n"
+        "print(json.dumps([torch_after_config, found]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    torch_after_config, found = json.loads(out.stdout)
+    assert torch_after_config is False and all(found)
 
 
 @pytest.mark.parametrize(("overrides", "reason"), [

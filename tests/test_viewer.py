@@ -49,9 +49,13 @@ def run_folder(server_url, tiny_model_dir, tmp_path_factory) -> Path:
            "rollout.backend=transformers", "data.train=[bamboogle:test]", f"data.flashrag_root={flashrag}",
            "data.subset=full", "rollout.max_turns=2", "rollout.max_tokens_per_turn=8", "rollout.max_obs_tokens=64"]
     run_cli("sft", *run, "sft.examples=2", "sft.batch_size=2", "sft.micro_batch_size=2", "sft.warmup_steps=0")
-    run_cli("train", *run, "train.iterations=2", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
-            "train.mini_batch_size=4", "train.micro_batch_size=4", "train.warmup_steps=0", "kl.topk=4",
-            "checkpoint.every=1")
+    train = ("train.iterations=2", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
+             "train.mini_batch_size=4", "train.micro_batch_size=4", "train.warmup_steps=0", "kl.topk=4",
+             "checkpoint.every=1")
+    run_cli("train", *run, *train)
+    # The same run rewarded by F1 with a format bonus (its own folder, beside the EM run): what the viewer rescores.
+    run_cli("train", *(a.replace("name=tiny", "name=tiny-f1") for a in run), *train, "reward.name=f1",
+            "reward.format=0.1")
     folder = tmp / "runs" / "tiny"
     run_cli("eval", "--model", str(tiny_model_dir), "--datasets", "bamboogle", "--flashrag-root", str(flashrag),
             "--subset", "full", "--modes", "agent", "--retriever-url", server_url, "--max-turns", "2",
@@ -135,6 +139,68 @@ def test_training_rollouts_show_reward_and_advantage(viewer_url, run_folder, tmp
     assert rows(dom) == 4  # 2 prompts x 2 rollouts
     meta = re.search(r"EM (\S+)\s+reward (\S+)\s+advantage (\S+)\s", dom)
     assert meta and meta.group(3) != "–", dom[dom.index('id="detail"'):][:2000]  # from the run's checkpointed config
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-f1"])
+def test_a_fresh_view_process_scores_a_training_rollout_as_the_trainer_did(run_folder, name):
+    """`emapg view` in its own process (which never imported the trainer's algorithms: the bug of issue 44 answered
+    500 there) opens each rollout of iteration 1 of an EM run and of an F1 run with a format bonus; their rewards
+    average to the trainer's own logged rollout/reward of that iteration, and every advantage is given."""
+    import os
+    import sys
+
+    from retriever.process import free_port
+
+    folder = run_folder.parent / name
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "emapg.cli", "view", str(folder), "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/api/runs", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and process.poll() is None, process.stdout.read().decode()[-2000:]
+                time.sleep(0.2)
+        source = "0:trajectories/iter-000001.jsonl"
+        uids = [json.loads(line)["uid"] for line in (folder / "trajectories" / "iter-000001.jsonl").read_text().splitlines()]
+        shown = []
+        for uid in uids:
+            response = httpx.get(f"{url}/api/trajectory", params={"source": source, "uid": uid}, timeout=30)
+            assert response.status_code == 200, response.text
+            shown.append(response.json())
+    finally:
+        process.terminate()
+        process.wait(10)
+    logged = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["iteration"] == 1
+    assert sum(d["reward"] for d in shown) / len(shown) == pytest.approx(logged["rollout/reward"])
+    assert all(d["advantage"] is not None for d in shown)
+
+
+def test_the_viewer_rescores_with_the_runs_reward_name():
+    """On constructed trajectories (partly right answers): an F1 run's rewards are F1 (+ the format bonus), an EM
+    run's are EM, and GRPO's advantages follow each."""
+    from emapg.view import scores
+    from trainer.config import load_config
+
+    def answered(answer: str, uid: str) -> Trajectory:
+        return Trajectory(uid=uid, group_id="g", question="q", golden_answers=["Jane Austen"], prompt_ids=[1],
+                          response_ids=[2], loss_mask=[1], turns=[Turn("answer", 0, 1, "stop")], answer=answer,
+                          done=True)
+
+    trajs = [answered("Austen", "g#0"), answered("Jane Austen", "g#1")]
+    assert all(t.well_formed for t in trajs)
+    f1 = load_config(overrides=["reward.name=f1", "reward.format=0.1"]).model_dump(mode="json")
+    em = load_config(overrides=[]).model_dump(mode="json")
+    f1_rewards, f1_advantages = scores(trajs, f1, training=True)
+    assert f1_rewards == pytest.approx([2 / 3 + 0.1, 1.0 + 0.1])
+    em_rewards, em_advantages = scores(trajs, em, training=True)
+    assert em_rewards == [0.0, 1.0] and em_advantages[1] > 0 > em_advantages[0]
+    assert f1_advantages[1] > 0 > f1_advantages[0]
 
 
 def test_side_by_side_shows_the_paired_outcome(viewer_url, tmp_path):

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 
 from agent.backend import SamplingParams
 from agent.diagnostics import repeated_search_rates
@@ -43,10 +42,8 @@ from trainer.diagnostics import zero_variance_share
 from trainer.engine import Engine
 from trainer.gradient_probe import zero_advantage_groups
 from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate
-from trainer.registry import ADVANTAGE_ESTIMATORS
-from trainer.reward import Score, reward
-
-RewardFn = Callable[[Trajectory], Score]
+from trainer.reward import Score
+from trainer.scoring import RewardFn, score_rollouts
 
 
 def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, float]:
@@ -81,7 +78,7 @@ class Trainer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampler = PromptSampler(examples, cfg.seed)
-        self.reward_fn = reward_fn or (lambda traj: reward(traj, cfg.reward.format, cfg.reward.name))
+        self.reward_fn = reward_fn
         self.iteration = 0
         self.guard = Guard(cfg.guard, cfg.run_dir)
 
@@ -137,13 +134,8 @@ class Trainer:
         trajs, rollout_stats = self.engine.rollout(examples, params, t.rollouts_per_prompt)
         timings["time/rollout_s"] = time.perf_counter() - start
 
-        scores = [self.reward_fn(traj) for traj in trajs]
-        if not all(isinstance(s, Score) for s in scores):
-            wrong = next(s for s in scores if not isinstance(s, Score))
-            raise TypeError(f"reward_fn must return trainer.reward.Score(reward, em, format), got {wrong!r}")
-        advantage_estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
-        advantages = advantage_estimator(torch.tensor([s.reward for s in scores]), [traj.group_id for traj in trajs],
-                                         normalize_std=t.normalize_adv_std)
+        scored = score_rollouts(trajs, cfg, self.reward_fn)
+        scores, advantages = scored.scores, scored.advantages
         stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         stats["grad/zero_advantage_groups"] = zero_advantage_groups(advantages, [traj.group_id for traj in trajs])
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")

@@ -17,11 +17,14 @@ Adding one is one decorated function in one file:
                               iw_clip=x.iw_clip)
 
 then `kl.estimator=k2x2`, once the module that registers it is imported before the config is loaded (a built-in is
-added to its registry's declared names instead).
+added to its registry's declared names instead). A lookup (`get`) of a declared name imports the module that defines
+it first, so no caller depends on what happened to be imported before (the viewer scores a run's rollouts in a
+process that never trained).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -60,9 +63,12 @@ class Registry(Generic[Entry]):
         return self.declared[name]
 
     def get(self, name: str) -> Entry:
+        """The entry, importing the module that defines the built-ins first when it has not been imported yet."""
         self.check(name)
         if name not in self.entries:
-            raise ValueError(f"{self.kind} {name!r} is registered by {self.defined_in}, which is not imported yet")
+            importlib.import_module(self.defined_in)
+        if name not in self.entries:
+            raise ValueError(f"{self.kind} {name!r} is declared for {self.defined_in}, which does not register it")
         return self.entries[name]
 
     def names(self) -> tuple[str, ...]:
