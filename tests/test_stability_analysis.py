@@ -22,9 +22,9 @@ def fake_result(block, arm: str, lr: float, seed: int, em: float, collapsed: boo
     (folder / "result.json").write_text(json.dumps(result))
 
 
-def test_the_declared_family_has_19_comparisons_and_the_primary_is_not_in_it():
+def test_the_declared_family_has_14_comparisons_and_the_primary_is_not_in_it():
     rows = family()
-    assert len(rows) == 19 and len(set(rows)) == 19
+    assert len(rows) == 14 and len(set(rows)) == 14
     assert ("em", "EMA-PG", "GRPO-k3c", 3e-3) not in rows
 
 
@@ -60,3 +60,12 @@ def test_a_seed_in_two_blocks_is_refused(tmp_path):
     fake_result(tmp_path / "b", "EMA-PG", 1e-3, 100, 0.5)
     with pytest.raises(ValueError, match="seed 100 .* is in two blocks"):
         analyse([tmp_path / "a", tmp_path / "b"], tmp_path / "report")
+
+
+def test_the_start_rule_refuses_a_start_that_did_not_learn_or_already_solves_two_hop():
+    from experiments.mechanism.run import usable_start
+
+    assert usable_start({"em": 0.0, "em_birth_country": 0.0}, 0.4) == "held-out EM 0.000 < 0.4"  # init_seed 99's
+    assert usable_start({"em": 0.5, "em_birth_country": 0.1}, 0.4) == "two-hop EM 0.100 > 0"
+    assert usable_start({"em": 0.5, "em_birth_country": 0.0}, 0.4) is None
+    assert usable_start({"em": 0.0}, None) is None  # no rule: the mechanism study's runs

@@ -13,6 +13,7 @@ later run with a different setup is refused, so results made under two setups ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import sys
@@ -92,6 +93,7 @@ def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
                                                                        flush=True))
         print(f"SFT done in {time.perf_counter() - start:.0f} s", flush=True)
     weights = load_policy_weights(cfg.sft_dir)
+    check_sft_start(out, latest_checkpoint(cfg.sft_dir) / "policy.safetensors", p.init_seed)
     if not (out / "sft_eval.json").exists():
         policy.load_state_dict(weights)
         test = load_test(out, study)
@@ -99,6 +101,21 @@ def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
         (out / "sft_eval.json").write_text(json.dumps(greedy_eval(policy, tokenizer, client, test, settings), indent=1))
     print(f"SFT start: {json.loads((out / 'sft_eval.json').read_text())}", flush=True)
     return weights
+
+
+def check_sft_start(out: Path, policy_file: Path, init_seed: int) -> None:
+    """Write sft_start.json (the SFT policy's sha256), or refuse an SFT start other than the recorded one: cells
+    unpacked from a committed record were trained from that start, and a remade one (another CPU kind rounds
+    differently) must not be mixed with them."""
+    digest = hashlib.sha256(policy_file.read_bytes()).hexdigest()
+    path = out / "sft_start.json"
+    if not path.exists():
+        path.write_text(json.dumps({"policy_sha256": digest, "init_seed": init_seed}, indent=1))
+        return
+    recorded = json.loads(path.read_text())["policy_sha256"]
+    if recorded != digest:
+        raise SystemExit(f"{out}: the SFT start made here (sha256 {digest[:12]}...) is not the recorded one "
+                         f"({recorded[:12]}...): its cells cannot be continued from this start; use another --out")
 
 
 def load_test(out: Path, study: StudyConfig):
@@ -121,6 +138,8 @@ def main(
     max_cells: Annotated[int | None, typer.Option(min=0, help="run at most this many new cells, then analyse")] = None,
     analyse_only: Annotated[bool, typer.Option(help="only rebuild summary.md and the plots")] = False,
     threads: Annotated[int, typer.Option(min=1, help="torch threads (1 is fastest on a shared 2-core machine)")] = 1,
+    min_sft_em: Annotated[float | None, typer.Option(
+        help="refuse an SFT start below this held-out EM, or with any two-hop EM (a study's rule for its starts)")] = None,
 ) -> None:
     """Run (or resume) the mechanism study: GRPO vs EMA anchor + k3 vs EMA anchor + Top-k on a synthetic KB."""
     # A terminated run must still stop its retrieval server (the `with` below): SIGTERM -> SystemExit.
@@ -137,12 +156,23 @@ def main(
         raise typer.BadParameter(str(e)) from e
     if not analyse_only:
         check_setup(out, study)
-        run_sweep(out, study, max_cells)
+        run_sweep(out, study, max_cells, min_sft_em)
     summary = analyse(out, study.sweep.methods)
     print(f"summary: {summary}" if summary else "no finished cell yet")
 
 
-def run_sweep(out: Path, study: StudyConfig, max_cells: int | None) -> None:
+def usable_start(sft_eval: dict, min_em: float | None) -> str | None:
+    """Why an SFT start fails the rule `min_em` (held-out EM at least that, two-hop EM 0: RL has room), or None."""
+    if min_em is None:
+        return None
+    if sft_eval["em"] < min_em:
+        return f"held-out EM {sft_eval['em']:.3f} < {min_em}"
+    if sft_eval.get("em_birth_country", 0.0) > 0:
+        return f"two-hop EM {sft_eval['em_birth_country']:.3f} > 0"
+    return None
+
+
+def run_sweep(out: Path, study: StudyConfig, max_cells: int | None, min_sft_em: float | None = None) -> None:
     from agent.policy import load_tokenizer
     from experiments.mechanism.cell import run_cell
     from experiments.mechanism.demos import answerable
@@ -165,6 +195,10 @@ def run_sweep(out: Path, study: StudyConfig, max_cells: int | None) -> None:
         if len(train) < len(questions["train"]):
             print(f"kept {len(train)} of {len(questions['train'])} train questions (the ideal strategy's)", flush=True)
         weights = warm_start(out, study, tokenizer, client, train)
+        refused = usable_start(json.loads((out / "sft_eval.json").read_text()), min_sft_em)
+        if refused:
+            raise SystemExit(f"{out}: the SFT start (policy.init_seed {study.policy.init_seed}) fails the study's rule: "
+                             f"{refused}; report it and give the block the next unused init_seed")
         test = load_test(out, study)
         started = time.perf_counter()
         for done, cell in enumerate(todo[:max_cells] if max_cells is not None else todo, 1):

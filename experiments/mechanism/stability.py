@@ -35,7 +35,7 @@ from eval.seed_stats import format_p, holm, paired_seeds
 
 PRIMARY = ("EMA-PG", "GRPO-k3c", 3e-3)
 ARMS = ("GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG")
-RATES = (1e-3, 2e-3, 3e-3, 5e-3)
+RATES = (2e-3, 3e-3, 5e-3)
 PAIRS = (("EMA-PG", "EMA-k3c"), ("EMA-k3c", "GRPO-k3c"), ("EMA-PG", "GRPO-floor"))
 
 
