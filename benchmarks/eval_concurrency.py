@@ -55,7 +55,7 @@ def main() -> None:
     from emapg.session import connect_retriever
     from emapg.workflow import eval_examples
     from eval.harness import model_text, run_mode, run_pooled, score
-    from trainer.checkpoint import load_policy_weights
+    from trainer.run.checkpoint import load_policy_weights
     from trainer.config import load_config
 
     cfg = load_config(args.config, [f"data.scan_limit={args.scan_limit}", f"retriever.index={args.index}",

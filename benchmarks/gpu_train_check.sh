@@ -15,7 +15,7 @@ OUT_DIR=${1:-artifacts/gpu-two-hop}
   || { echo '{"benchmark": "gpu_train_check", "error": "torch sees no CUDA device"}'; exit 1; }
 
 start=$(date +%s.%N)
-# The KB, its sets and BM25 index, the SFT start (on the GPU: trainer/sft.py trains where the policy is).
+# The KB, its sets and BM25 index, the SFT start (on the GPU: trainer/run/sft.py trains where the policy is).
 "$PYTHON" -m experiments.two_hop.prepare --out "$OUT_DIR"
 prepared=$(date +%s.%N)
 "$PYTHON" -m emapg.cli compare --config configs/two_hop.yaml --index "$OUT_DIR/index" --eval-every 8 --methods EMA-PG \

@@ -26,9 +26,9 @@ from train_step import synthetic_batch
 
 from agent.policy import load_policy
 from trainer.config import load_config
-from trainer.diagnostics import zero_variance_share
-from trainer.engine import PolicyTrainer
-from trainer.guard import Guard
+from trainer.advantages import zero_variance_share
+from trainer.run.workers import PolicyTrainer
+from trainer.run.guard import Guard
 
 COMPARE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu_compare.yaml"
 

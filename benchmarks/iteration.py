@@ -77,7 +77,7 @@ def engine_memory_gib() -> dict[str, float]:
 
 
 def cpu_kind() -> str:
-    from trainer.forward import native_bf16
+    from trainer.learner.logprobs import native_bf16
 
     with open("/proc/cpuinfo") as f:
         name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
@@ -179,10 +179,10 @@ def main() -> None:
     from agent.factory import make_agent, open_backend
     from emapg.session import connect_retriever
     from emapg.workflow import eval_examples, train_examples
-    from trainer.checkpoint import load_policy_weights
+    from trainer.run.checkpoint import load_policy_weights
     from trainer.config import load_config
-    from trainer.engine import LocalEngine
-    from trainer.loop import Trainer
+    from trainer.run.workers import LocalWorkers
+    from trainer.run.loop import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="iteration-bench-"))
     overrides = [f"out_dir={out}", f"data.scan_limit={args.scan_limit}", f"retriever.index={args.index}"]
@@ -210,7 +210,7 @@ def main() -> None:
                 backend = open_backend(wcfg.rollout, wcfg.model, tokenizer, policy, dtype=wcfg.dtype, seed=wcfg.seed)
                 agent = make_agent(backend, tokenizer, client, wcfg.rollout, retriever_timeout_s=wcfg.retriever.timeout_s)
                 ways[name] = {"policy": policy, "backend": backend, "counter": None,
-                              "trainer": Trainer(wcfg, LocalEngine(wcfg, policy, backend, agent), tokenizer, train)}
+                              "trainer": Trainer(wcfg, LocalWorkers(wcfg, policy, backend, agent), tokenizer, train)}
                 if wcfg.rollout.backend == "vllm":
                     result["vllm_startup_s"] = round(time.perf_counter() - start, 1)
                     result["vllm_engine_memory"] = engine_memory_gib()

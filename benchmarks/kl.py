@@ -1,6 +1,6 @@
 """KL estimators in the loss: time and peak memory of (LM head + loss + backward) for exact, Top-k (k = 32) and k3
 at Qwen's and SmolLM2's vocabulary sizes, 2,048 tokens, each with the whole logits at once (unchunked, as before
-chunking) and chunked (`train.logprob_chunk_tokens`, trainer/logprobs.py); and the EMA anchor update against an
+chunking) and chunked (`train.logprob_chunk_tokens`, trainer/learner/logprobs.py); and the EMA anchor update against an
 optimizer step. Prints one JSON line.
 
 The inputs are what the learner has before its head: the final hidden states (tokens x hidden, with gradient) and the
@@ -25,7 +25,7 @@ import time
 import torch
 
 from trainer.kl import sampled_kl, topk_kl_from_logprobs
-from trainer.logprobs import token_logprobs
+from trainer.learner.logprobs import token_logprobs
 
 K = 32
 ESTIMATORS = ("k3", "topk", "exact")

@@ -3,7 +3,7 @@
 forward hooks on the policy's and the anchor's decoders. On a random Llama of SmolLM2-135M's shape (its 49,152-token
 vocabulary, hidden 576, 9 heads / 3 KV heads, MLP 1536; --layers of its 30) over synthetic search-shaped
 trajectories (groups of --samples rollouts of one prompt: model turns of varying length alternating with
-observations), so no download is needed. The learner is built as trainer.engine.PolicyTrainer builds it (EMA anchor,
+observations), so no download is needed. The learner is built as trainer.run.workers.PolicyTrainer builds it (EMA anchor,
 AdamW, constant schedule). Prints one JSON line.
 
     python benchmarks/learner_passes.py [--layers 2] [--prompts 2] [--samples 2] [--micro 2] [--prompt-tokens 64]
@@ -31,11 +31,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agent.trajectory import Trajectory
-from trainer.batch import RolloutBatch, collate
+from trainer.learner.batch import RolloutBatch, collate
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.gradient_probe import GradientProbe
-from trainer.learner import Learner
+from trainer.learner.learner import Learner
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each variant's config overrides (configs/cpu_evidence.yaml's three runs, and the KL off).
@@ -81,7 +81,7 @@ def search_batch(args, generator: torch.Generator) -> RolloutBatch:
 
 
 def make_learner(policy, cfg) -> Learner:
-    """As trainer.engine.PolicyTrainer makes it in one process without LoRA."""
+    """As trainer.run.workers.PolicyTrainer makes it in one process without LoRA."""
     anchor = EmaAnchor(policy)
     with torch.no_grad():  # an anchor a little away from the policy, as after some EMA updates
         for p in anchor.module.parameters():

@@ -24,7 +24,7 @@ from agent.hf_backend import TransformersBackend
 from agent.policy import load_policy, load_tokenizer
 from agent.protocol import ANSWER_STOP, ONE_SHOT, SEARCH_STOP, prompt_ids, prompt_text
 from data.qa import load_packaged
-from trainer.checkpoint import load_policy_weights
+from trainer.run.checkpoint import load_policy_weights
 
 STOPS = [SEARCH_STOP, ANSWER_STOP]
 

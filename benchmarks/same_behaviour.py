@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# The RL iteration's learning numbers compared (today's names; trainer.bookkeeping.read_metrics maps older ones).
+# The RL iteration's learning numbers compared (today's names; trainer.run.metrics_log.read_metrics maps older ones).
 RL_KEYS = ("rollout/reward", "rollout/em", "rollout/response_tokens", "loss/total", "loss/policy", "kl/anchor",
            "loss/entropy", "loss/grad_norm", "loss/clip_fraction")
 
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("after", type=Path)
     args = ap.parse_args()
 
-    from trainer.bookkeeping import read_metrics
+    from trainer.run.metrics_log import read_metrics
 
     result: dict = {"benchmark": "same_behaviour", "before": str(args.before), "after": str(args.after),
                     "evaluations": {}}

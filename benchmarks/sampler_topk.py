@@ -54,7 +54,7 @@ def trainer_pass(policy, batch, autocast_kind: str, k: int):
     """pi_old's log-probs at the model tokens and its top-k ids, as Learner.prepare computes them; and the seconds."""
     import torch
 
-    from trainer.forward import autocast, response_logits
+    from trainer.learner.logprobs import autocast, response_logits
 
     start = time.perf_counter()
     with torch.no_grad(), autocast(autocast_kind, policy):
@@ -78,9 +78,9 @@ def main() -> None:
     from agent.trajectory import Trajectory
     from agent.vllm_backend import VLLMBackend
     from data.qa import load_packaged
-    from trainer.batch import collate
-    from trainer.forward import resolve_autocast
-    from trainer.checkpoint import load_policy_weights
+    from trainer.learner.batch import collate
+    from trainer.learner.logprobs import resolve_autocast
+    from trainer.run.checkpoint import load_policy_weights
     from trainer.config import load_config
 
     cfg = load_config(args.config)

@@ -3,7 +3,7 @@
     padded:  micro-batches in batch order, every one padded to the batch's longest response, LM head at every
              response position (then masked)
     trimmed: micro-batches of length-sorted rows, each cut to its own longest response, LM head only at the
-             model-token positions (what trainer/sft.py does)
+             model-token positions (what trainer/run/sft.py does)
 
 Both compute the same loss (checked). Needs demonstrations: `make demo` or `emapg sft` writes them.
 
@@ -23,10 +23,10 @@ import torch
 
 from agent.policy import load_policy, load_tokenizer
 from agent.trajectory import load_jsonl
-from trainer.batch import RolloutBatch, collate
-from trainer.forward import autocast, response_logits
-from trainer.learner import micro_batch_shares, micro_batches
-from trainer.sft import sft_loss
+from trainer.learner.batch import RolloutBatch, collate
+from trainer.learner.logprobs import autocast, response_logits
+from trainer.learner.learner import micro_batch_shares, micro_batches
+from trainer.run.sft import sft_loss
 
 
 def rows_uncut(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:

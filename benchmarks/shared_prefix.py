@@ -63,10 +63,10 @@ def main() -> None:
     from agent.policy import load_policy, load_tokenizer
     from emapg.session import connect_retriever
     from emapg.workflow import train_examples
-    from trainer.checkpoint import load_policy_weights
+    from trainer.run.checkpoint import load_policy_weights
     from trainer.config import load_config
-    from trainer.engine import LocalEngine, PolicyTrainer
-    from trainer.loop import Trainer
+    from trainer.run.workers import LocalWorkers, PolicyTrainer
+    from trainer.run.loop import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="shared-prefix-bench-"))
     overrides = [f"out_dir={out}", f"retriever.index={args.index}", "data.scan_limit=1000"]
@@ -89,7 +89,7 @@ def main() -> None:
         backend = open_backend(cfg.rollout, cfg.model, tokenizer, policies["shared"], dtype=cfg.dtype, seed=cfg.seed)
         try:
             agent = make_agent(backend, tokenizer, client, cfg.rollout, retriever_timeout_s=cfg.retriever.timeout_s)
-            engine = LocalEngine(cfg, policies["shared"], backend, agent)
+            engine = LocalWorkers(cfg, policies["shared"], backend, agent)
             learners = {"shared": engine.learning, "whole": PolicyTrainer(off_cfg, policies["whole"])}
             counters = {name: TokenRows(policies[name]) for name in learners}
             learn = engine.learn

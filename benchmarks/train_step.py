@@ -32,9 +32,9 @@ import time
 import torch
 
 from agent.trajectory import Trajectory
-from trainer.batch import RolloutBatch, collate
+from trainer.learner.batch import RolloutBatch, collate
 from trainer.config import load_config
-from trainer.engine import PolicyTrainer
+from trainer.run.workers import PolicyTrainer
 
 
 def synthetic_batch(args, generator: torch.Generator) -> RolloutBatch:

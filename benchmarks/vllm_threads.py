@@ -46,7 +46,7 @@ def generate(args) -> dict:
     try:
         if args.checkpoint is not None:  # synced in place, as in training
             from agent.policy import load_policy
-            from trainer.checkpoint import load_policy_weights
+            from trainer.run.checkpoint import load_policy_weights
 
             policy = load_policy()
             policy.load_state_dict(load_policy_weights(args.checkpoint))

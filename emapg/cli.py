@@ -327,9 +327,9 @@ def eval_command(
     from emapg.session import open_session
     from emapg.workflow import answerable, load_datasets
     from retriever.client import retrieve_endpoints
-    from trainer.checkpoint import CheckpointError, load_policy_weights
+    from trainer.run.checkpoint import CheckpointError, load_policy_weights
     from trainer.config import RetrieverConfig, TrainConfig, WandbSection
-    from trainer.wandb_logger import attach_reports
+    from trainer.run.wandb_logger import attach_reports
 
     try:
         wandb = WandbSection(mode=wandb_mode, project=wandb_project)
@@ -470,9 +470,9 @@ def train(
     """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
     from emapg.session import open_session
     from emapg.workflow import print_iteration
-    from trainer.checkpoint import CheckpointError
-    from trainer.guard import GuardError, events_markdown
-    from trainer.loop import Trainer, resume_or_start
+    from trainer.run.checkpoint import CheckpointError
+    from trainer.run.guard import GuardError, events_markdown
+    from trainer.run.loop import Trainer, resume_or_start
 
     cfg = _run_config(ctx, config)
     _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
@@ -482,12 +482,12 @@ def train(
         examples = _train_questions(cfg, client, session.index_tag)
         console.print(f"{len(examples):,} training questions; run folder {cfg.run_dir}")
         if cfg.distributed.backend == "ray":
-            from trainer.distributed import RayEngine
+            from trainer.run.ray_workers import RayWorkers
 
             # The actors reach the same retriever(s) as this driver: the URLs in use, including a started server's.
             cfg.retriever.url = client.urls if client is not None else None
             try:
-                engine = RayEngine(cfg)
+                engine = RayWorkers(cfg)
             except NotImplementedError as e:
                 _fail(str(e))
             close = engine.close
@@ -502,7 +502,7 @@ def train(
             try:
                 trainer.run(progress=print_iteration)
             except GuardError as e:
-                _fail(f"{e} (events: {trainer.guard.events_path})")
+                _fail(f"{e} (events: {trainer.run.guard.events_path})")
         finally:
             close()
     console.print("\n".join(events_markdown(cfg.run_dir)))

@@ -31,7 +31,7 @@ from emapg.session import Session, open_session
 from emapg.workflow import build_sft_data, console, eval_examples, print_iteration, run_sft, train_examples
 from eval.paired import paired_em, per_question_em
 from eval.report import EvalReport, plot_methods, pooled
-from trainer.bookkeeping import read_metrics
+from trainer.run.metrics_log import read_metrics
 from trainer.methods import METHODS
 
 SFT = "SFT"
@@ -76,7 +76,7 @@ def check_start(out: Path, init: Path) -> None:
     """The SFT checkpoint `init` must be the one the run folder's results started from: the first run records its
     policy weights' sha256 (from the checkpoint's manifest, which load_policy_weights has verified the files
     against) in <out>/sft_start.json, later runs compare."""
-    from trainer.checkpoint import MANIFEST, resolve_checkpoint
+    from trainer.run.checkpoint import MANIFEST, resolve_checkpoint
 
     manifest = json.loads((resolve_checkpoint(init) / MANIFEST).read_text())
     sha256 = manifest["files"]["policy.safetensors"]["sha256"]
@@ -109,8 +109,8 @@ def run_variant(session: Session, cfg, name: str, sft_weights, train, test, star
     (None for a fixed reference: that is the SFT model, evaluated once for all methods)."""
     from transformers import set_seed
 
-    from trainer.checkpoint import latest_checkpoint
-    from trainer.loop import Trainer
+    from trainer.run.checkpoint import latest_checkpoint
+    from trainer.run.loop import Trainer
 
     vcfg = variant_config(cfg, name)
     if (saved := saved_variant(name, vcfg, start, eval_every)) is not None:
@@ -260,7 +260,7 @@ def run_compare(cfg, init: Path | None, eval_every: int, methods: list[str], see
     <run>/seeds.md tests the methods across the seeds that have finished."""
     from agent.policy import load_policy
     from eval.seed_report import write_plan, write_seed_report
-    from trainer.checkpoint import latest_checkpoint, load_policy_weights
+    from trainer.run.checkpoint import latest_checkpoint, load_policy_weights
 
     if cfg.lora.rank and not all(METHODS[name].fixed_reference for name in methods):
         raise ValueError("compare evaluates each EMA anchor with the policy's weights swapped for the anchor's; a "
@@ -314,8 +314,8 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     """compare.md, compare.json and compare.png from the methods' evaluation points (each starting with the shared
     SFT evaluation), their anchors' final evaluations, and what the run folders hold: the training logs and every
     final evaluation's trajectories, paired per question."""
-    from trainer.guard import events_markdown, read_events
-    from trainer.wandb_logger import attach_run_reports
+    from trainer.run.guard import events_markdown, read_events
+    from trainer.run.wandb_logger import attach_run_reports
 
     out = cfg.run_dir
     methods = list(held_out)

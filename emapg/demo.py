@@ -25,10 +25,10 @@ RETRIEVAL_CHECK = ["who wrote pride and prejudice", "what is the capital of aust
 
 
 def run_demo(cfg) -> Path:
-    from trainer.bookkeeping import read_metrics
-    from trainer.guard import events_markdown, read_events
-    from trainer.loop import Trainer
-    from trainer.wandb_logger import attach_run_reports
+    from trainer.run.metrics_log import read_metrics
+    from trainer.run.guard import events_markdown, read_events
+    from trainer.run.loop import Trainer
+    from trainer.run.wandb_logger import attach_run_reports
 
     out = cfg.run_dir
     if out.exists():

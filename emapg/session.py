@@ -112,12 +112,12 @@ class Session:
     def local_engine(self, cfg: TrainConfig | None = None):
         """The in-process training engine over the session's policy, engine and agent; `cfg` (default: the
         session's) may differ in what the learner reads (a method's KL and anchor), not in the rollout."""
-        from trainer.engine import LocalEngine
+        from trainer.run.workers import LocalWorkers
 
         cfg = cfg or self.cfg
         if cfg.rollout != self.cfg.rollout:
             raise ValueError("a session's engine rolls out with the session's rollout settings: open another session")
-        return LocalEngine(cfg, self.policy, self.backend, self.agent())
+        return LocalWorkers(cfg, self.policy, self.backend, self.agent())
 
     def evaluate(self, datasets: dict, *, name: str, out_dir: Path, subset: str, modes: Sequence[Mode] = ("agent",),
                  policy=None) -> EvalReport:

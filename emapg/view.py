@@ -1,9 +1,9 @@
 """`emapg view RUN_DIR...`: a local web page over run folders, to see what the agent did.
 
 What it reads (the files our code writes; nothing else, never writes):
-    metrics.jsonl                  per-iteration metrics (trainer.bookkeeping.RunLogger, sft too): plotted
+    metrics.jsonl                  per-iteration metrics (trainer.run.metrics_log.RunLogger, sft too): plotted
     sft/demonstrations.jsonl       the SFT warm start's demonstrations (trajectories written by a template)
-    trajectories/iter-NNNNNN.jsonl one training iteration's rollouts (trainer.loop)
+    trajectories/iter-NNNNNN.jsonl one training iteration's rollouts (trainer.run.loop)
     <eval>/report.json + <eval>/trajectories/<dataset>.<mode>.jsonl   an evaluation (eval.harness)
     checkpoints/iter-*/state.json  the run's config: which tokenizer decodes the ids, the reward's format bonus
                                    and the advantage estimator (rewards and advantages are recomputed from it)
@@ -37,7 +37,7 @@ DEFAULT_PORT = 8050
 # Folders a run holds that the viewer never reads: weights, TensorBoard and W&B files.
 SKIPPED_FOLDERS = {"checkpoints", "tb", "wandb", ".git", "__pycache__"}
 # Metric names plotted first, in this order: a key matches a name when it is the name or ends in "/" + name, so
-# `reward` and `rollout/reward` alike; the policy's KL to its anchor is `kl` or `kl/anchor` (trainer.bookkeeping).
+# `reward` and `rollout/reward` alike; the policy's KL to its anchor is `kl` or `kl/anchor` (trainer.run.metrics_log).
 PREFERRED_SERIES = (("reward",), ("em",), ("kl", "kl/anchor"), ("entropy",), ("searches",))
 ITERATION_FILE = re.compile(r"iter-(\d+)\.jsonl$")
 DEMONSTRATIONS = "demonstrations.jsonl"  # the SFT warm start's (emapg.workflow.build_sft_data)

@@ -79,7 +79,7 @@ def build_sft_data(cfg, client, tokenizer, examples: list[QAExample]):
     """Demonstrations from a seeded shuffle of the train questions (so every train set is represented), saved
     beside the SFT checkpoints for `emapg show`."""
     from agent.trajectory import save_jsonl
-    from trainer.demonstrations import build_demonstrations
+    from agent.demonstrations import build_demonstrations
 
     shuffled = random.Random(cfg.seed).sample(examples, len(examples))
     demos, counts = build_demonstrations(shuffled, client, tokenizer, topk=cfg.retriever.topk,
@@ -93,7 +93,7 @@ def build_sft_data(cfg, client, tokenizer, examples: list[QAExample]):
 def run_sft(cfg, policy, tokenizer, demos) -> Path:
     from rich.progress import Progress
 
-    from trainer.sft import SFTTrainer
+    from trainer.run.sft import SFTTrainer
 
     trainer = SFTTrainer(cfg, policy, demos, tokenizer.pad_token_id or 0)
     with Progress(console=console, transient=True) as bar:

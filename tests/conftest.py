@@ -152,11 +152,11 @@ def memorise_search_trajectory(model, tokenizer, url: str, question: str, search
 
 
 def local_engine(cfg, policy, tokenizer, backend=None, retriever=None):
-    """A LocalEngine as a Session makes one: the backend (the configured one unless given) and the agent from
+    """A LocalWorkers as a Session makes one: the backend (the configured one unless given) and the agent from
     agent.factory."""
     from agent.factory import make_agent, open_backend
-    from trainer.engine import LocalEngine
+    from trainer.run.workers import LocalWorkers
 
     backend = backend or open_backend(cfg.rollout, cfg.model, tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
     agent = make_agent(backend, tokenizer, retriever, cfg.rollout, retriever_timeout_s=cfg.retriever.timeout_s)
-    return LocalEngine(cfg, policy, backend, agent)
+    return LocalWorkers(cfg, policy, backend, agent)

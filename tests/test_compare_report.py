@@ -30,7 +30,7 @@ from eval.paired import paired_em
 from eval.report import plot_methods
 from trainer.config import load_config
 from trainer.ema import anchor_weights_in, ema_anchor
-from trainer.engine import LocalEngine
+from trainer.run.workers import LocalWorkers
 from trainer.methods import METHODS, chosen_methods
 
 
@@ -136,7 +136,7 @@ def test_plot_takes_three_methods(tmp_path):
 class FakeWeightRecordingBackend:
     """A fake rollout engine holding its own copy of the weights, as vLLM does: records what it was loaded with."""
 
-    model = None  # not the policy: LocalEngine.sync_weights copies into it
+    model = None  # not the policy: LocalWorkers.sync_weights copies into it
 
     def __init__(self):
         self.weights: dict[str, torch.Tensor] = {}
@@ -158,12 +158,12 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
-def engine_with_a_moved_policy(tmp_path) -> tuple[LocalEngine, FakeWeightRecordingBackend]:
-    """A LocalEngine whose policy has moved away from its EMA anchor, the backend already synced to the policy (so
+def engine_with_a_moved_policy(tmp_path) -> tuple[LocalWorkers, FakeWeightRecordingBackend]:
+    """A LocalWorkers whose policy has moved away from its EMA anchor, the backend already synced to the policy (so
     the engine sees nothing stale: the case where an evaluation could leak into the next rollout)."""
     cfg = load_config("configs/cpu_compare.yaml", [f"out_dir={tmp_path}", "rollout.mode=direct"])
     backend = FakeWeightRecordingBackend()
-    engine = LocalEngine(cfg, tiny_policy(), backend, agent=None)  # no rollout here
+    engine = LocalWorkers(cfg, tiny_policy(), backend, agent=None)  # no rollout here
     policy = engine.learning.policy
     with torch.no_grad():
         for p in policy.parameters():
@@ -202,7 +202,7 @@ def test_an_evaluation_that_fails_still_restores_the_policy(tmp_path):
 
 
 def test_a_lora_anchor_is_refused():
-    from trainer.lora import apply_lora
+    from trainer.learner.lora import apply_lora
 
     policy = apply_lora(tiny_policy(), 2, 4.0, ["proj"], 0.0)
     with pytest.raises(TypeError, match="LoRA"), anchor_weights_in(policy, ema_anchor(policy)):
@@ -289,7 +289,7 @@ def test_the_report_pairs_the_final_evaluations_read_from_the_run_folders(tmp_pa
 
 
 def save_weights(weights: dict[str, torch.Tensor], run_dir):
-    from trainer.checkpoint import Checkpoint, save_checkpoint
+    from trainer.run.checkpoint import Checkpoint, save_checkpoint
 
     return save_checkpoint(Checkpoint(iteration=0, policy=weights, anchor=weights, optimizer={}, scheduler={}, rng={"torch": torch.get_rng_state()},
                                       data_cursor={}, config={}), run_dir)

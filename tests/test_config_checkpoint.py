@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from trainer.run.checkpoint import (
     Checkpoint,
     CheckpointError,
     check_compatible,

@@ -1,5 +1,5 @@
 """The mechanism diagnostics on constructed batches, against counts worked out by hand: the repeated-search rate
-(agent/diagnostics.py) and the share of equal-reward groups (trainer/diagnostics.py)."""
+(agent/diagnostics.py) and the share of equal-reward groups (trainer/advantages.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from agent.diagnostics import normalize_query, repeated_search_rates, repeated_searches
 from agent.trajectory import Trajectory, Turn
-from trainer.diagnostics import zero_variance_share
+from trainer.advantages import zero_variance_share
 
 
 def search(query: str | None, doc_ids: list[str]) -> Turn:

@@ -16,10 +16,10 @@ from transformers import set_seed
 
 from agent.policy import load_policy
 from data.qa import QAExample
-from trainer.batch import collate
+from trainer.learner.batch import collate
 from trainer.config import load_config
-from trainer.engine import PolicyTrainer
-from trainer.loop import Trainer
+from trainer.run.workers import PolicyTrainer
+from trainer.run.loop import Trainer
 from trainer.reward import Score
 
 
@@ -49,7 +49,7 @@ def local_ray():
 
 @pytest.mark.parametrize("variant", ["ddp", "fsdp", "ddp-lora"])
 def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, tokenizer, tmp_path, variant):
-    from trainer.distributed import RayEngine
+    from trainer.run.ray_workers import RayWorkers
 
     strategy, _, lora = variant.partition("-")
     # FSDP with activation checkpointing (the GPU recipes' setting): the one-process reference checkpoints too.
@@ -67,7 +67,7 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
     single_stats = single.train_step(collate(trajectories, advantages, pad_id=0), iteration=1)
 
     examples = [QAExample(f"toy/train/{i}", "toy", "train", f"question {i}?", ("x",), "toy") for i in range(4)]
-    engine = RayEngine(cfg)
+    engine = RayWorkers(cfg)
     try:
         stats = engine.learn(batch, iteration=1)
         gradients = ray.get([rank.gradients.remote() for rank in engine.ranks])
@@ -127,7 +127,7 @@ def test_two_ranks_and_two_workers_equal_one_process(local_ray, tiny_model_dir, 
 
 
 def test_the_ddp_strategy_on_one_gloo_rank_gives_the_one_process_update(tiny_model, tokenizer):
-    """trainer.data_parallel: with torch.distributed initialised the learner takes the DDP strategy (wrapped policy,
+    """trainer.learner.data_parallel: with torch.distributed initialised the learner takes the DDP strategy (wrapped policy,
     no_sync on all but the last micro-batch, sums over the ranks), and on one rank its prepared values, stats and
     gradient are the one-process learner's; fast, where the Ray tests above cover two ranks."""
     import copy
@@ -137,7 +137,7 @@ def test_the_ddp_strategy_on_one_gloo_rank_gives_the_one_process_update(tiny_mod
     from torch.nn.parallel import DistributedDataParallel
 
     from retriever.process import free_port
-    from trainer.data_parallel import DDP, OneProcess
+    from trainer.learner.data_parallel import DDP, OneProcess
 
     trajs = ragged_trajectories(len(tokenizer))
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])

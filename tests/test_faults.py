@@ -15,13 +15,13 @@ import pytest
 import torch
 from test_training import make_trainer, tiny_config
 
-from trainer.checkpoint import (
+from trainer.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.loop import resume_or_start
+from trainer.run.loop import resume_or_start
 
 TESTS = Path(__file__).resolve().parent
 ITERATIONS = 4
@@ -42,7 +42,7 @@ def straight_run(tmp_path_factory, tiny_model, tokenizer):
     """The tiny transformers-backend run of test_training, uninterrupted: its metrics and final policy."""
     trainer = make_trainer(tiny_config(tmp_path_factory.mktemp("straight"), f"train.iterations={ITERATIONS}"),
                            tiny_model, tokenizer)
-    return trainer.run(), trainer.engine.learning.policy
+    return trainer.run(), trainer.run.workers.learning.policy
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
@@ -83,7 +83,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
           f"{time.perf_counter() - start:.1f} s to resume and finish")
     assert not writing.exists()  # the next save cleared what the killed one left
     history, policy = straight_run
-    same_runs(history[2:], policy, tail, resumed.engine.learning.policy)
+    same_runs(history[2:], policy, tail, resumed.workers.learning.policy)
 
 
 def small_checkpoint(iteration: int, floats: int):
@@ -191,7 +191,7 @@ def test_a_retriever_killed_and_restarted_mid_iteration_loses_no_trajectory(
     from data.qa import QAExample
     from retriever.client import RetrieverClient
     from retriever.process import start_server
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     cfg = tiny_config(tmp_path, "train.iterations=2", "rollout.mode=agent", "rollout.max_turns=1",
                       "rollout.temperature=0", "rollout.max_tokens_per_turn=16",
@@ -246,7 +246,7 @@ def test_a_killed_vllm_engine_stops_the_run_naming_it_and_resume_equals_an_unint
     from agent.vllm_backend import EngineDied, VLLMBackend
     from data.qa import QAExample
     from trainer.config import load_config
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     model = tiny_llama(tokenizer, hidden=128, heads=2, kv_heads=1)  # vLLM's CPU attention needs heads of >= 32
     folder = tmp_path / "model"
@@ -302,4 +302,4 @@ def test_a_killed_vllm_engine_stops_the_run_naming_it_and_resume_equals_an_unint
         second.close()
     print(f"\nFAULT vllm-engine-killed: the run stopped {stopped_after:.1f} s after the kill; a new engine started in "
           f"{restarted_after:.0f} s; 1 iteration (4 trajectories) redone from iteration 2's checkpoint")
-    same_runs(history[2:], straight.engine.learning.policy, tail, resumed.engine.learning.policy)
+    same_runs(history[2:], straight.workers.learning.policy, tail, resumed.workers.learning.policy)

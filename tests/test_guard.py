@@ -1,4 +1,4 @@
-"""The training-health guard (trainer/guard.py): its rules on hand-made metric sequences, and on real tiny models a
+"""The training-health guard (trainer/run/guard.py): its rules on hand-made metric sequences, and on real tiny models a
 non-finite micro-batch that never reaches the weights, N in a row that stop the run, and a collapse rolled back to
 exactly the last good state at a lower learning rate (one process, and two DDP/FSDP ranks)."""
 
@@ -20,10 +20,10 @@ from test_training import (  # noqa: F401 (peaked_model: a fixture)
     tiny_examples,
 )
 
-from trainer.batch import collate
+from trainer.learner.batch import collate
 from trainer.config import GuardSection, load_config
-from trainer.engine import PolicyTrainer
-from trainer.guard import (
+from trainer.run.workers import PolicyTrainer
+from trainer.run.guard import (
     Guard,
     GuardError,
     StepGuard,
@@ -289,14 +289,14 @@ def small_run(tmp_path, *overrides):
 def test_n_skipped_steps_in_a_row_stop_the_run_naming_iteration_and_micro_batch(tmp_path, peaked_model, tokenizer):
     cfg = small_run(tmp_path, "train.iterations=5", "guard.max_consecutive_skips=3")
     trainer = make_trainer(cfg, peaked_model, tokenizer)
-    start = copy.deepcopy(trainer.engine.learning.policy.state_dict())
-    layer = trainer.engine.learning.policy.get_decoder().layers[0].mlp
+    start = copy.deepcopy(trainer.run.workers.learning.policy.state_dict())
+    layer = trainer.run.workers.learning.policy.get_decoder().layers[0].mlp
     # A fake fault: the MLP's output turns NaN in train mode (the learner's gradient passes), every step.
     layer.register_forward_hook(lambda module, inputs, output: output * NAN if module.training else output)
     with pytest.raises(GuardError, match=r"3 optimizer steps in a row skipped.*iteration 2, optimizer step 1: "
                                          r"micro-batch 0 had a non-finite loss"):
         trainer.run()
-    for name, p in trainer.engine.learning.policy.state_dict().items():
+    for name, p in trainer.run.workers.learning.policy.state_dict().items():
         assert torch.equal(p, start[name]), name
     events = read_events(cfg.run_dir)
     assert [e["action"] for e in events] == ["skipped_steps"]  # iteration 1's 2 skipped steps; then the stop
@@ -323,7 +323,7 @@ class FakeCollapsingReward:
 
 def collapse_run(tmp_path, peaked_model, tokenizer, times: int, *overrides):
     from conftest import local_engine
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     cfg = small_run(tmp_path, "train.iterations=4", "guard.rollback=true", "guard.warmup_iterations=0",
                     "guard.reward_window=1", "guard.reward_drop=0.5", "guard.lr_decay=0.25",
@@ -337,8 +337,8 @@ def collapse_run(tmp_path, peaked_model, tokenizer, times: int, *overrides):
 
 
 def full_state(trainer) -> dict:
-    return copy.deepcopy({**trainer.engine.state(), "cursor": trainer.sampler.cursor(),
-                          "rng": torch.get_rng_state(), "guard": trainer.guard.state_dict()})
+    return copy.deepcopy({**trainer.run.workers.state(), "cursor": trainer.sampler.cursor(),
+                          "rng": torch.get_rng_state(), "guard": trainer.run.guard.state_dict()})
 
 
 def test_a_collapse_rolls_back_to_exactly_the_last_good_state_at_a_lower_learning_rate(tmp_path, peaked_model,

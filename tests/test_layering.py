@@ -45,7 +45,7 @@ def test_rollout_engines_and_agents_are_constructed_only_in_agent():
 
 def test_only_the_session_opens_a_runs_pieces():
     """emapg's commands get retriever, engine and agents from emapg/session.py; the trainer and the evaluation are
-    handed theirs. (A Ray rollout worker is a process of its own: trainer/distributed.py assembles it with
+    handed theirs. (A Ray rollout worker is a process of its own: trainer/run/ray_workers.py assembles it with
     agent.factory, the one exception.)"""
     setup = {"running_server", "connect_retriever", "open_backend", "make_agent", "RetrieverClient"}
     callers = sources("emapg", "trainer", "eval")

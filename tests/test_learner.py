@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from agent.trajectory import Trajectory
-from trainer.batch import PreparedBatch, collate
-from trainer.forward import response_logits
+from trainer.learner.batch import PreparedBatch, collate
+from trainer.learner.logprobs import response_logits
 from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.kl import gather_logprobs
-from trainer.learner import Learner, enable_gradient_checkpointing
+from trainer.learner.learner import Learner, enable_gradient_checkpointing
 
 
 def ragged_trajectories(vocab: int, n: int = 6) -> list[Trajectory]:
@@ -250,7 +250,7 @@ def grouped_trajectories(vocab: int) -> list[Trajectory]:
 
 
 def test_shared_prefix_width_and_order(tokenizer):
-    from trainer.batch import prefix_order, shared_prefix_width
+    from trainer.learner.batch import prefix_order, shared_prefix_width
 
     trajs = grouped_trajectories(len(tokenizer))
     batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
@@ -271,7 +271,7 @@ def test_shared_prefix_width_and_order(tokenizer):
 def test_prefix_micro_batches_are_the_cheapest_runs_of_the_prefix_order(tokenizer, size):
     """Against every split of the prefix order into runs of at most `size` rows, each priced from the micro-batch
     itself (shared_prefix_width and the width select() cuts it to)."""
-    from trainer.batch import pass_cost, prefix_micro_batches, prefix_order, shared_prefix_width
+    from trainer.learner.batch import pass_cost, prefix_micro_batches, prefix_order, shared_prefix_width
 
     trajs = grouped_trajectories(len(tokenizer)) + ragged_trajectories(len(tokenizer), n=3)
     batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
@@ -349,21 +349,21 @@ def test_prepare_runs_only_the_passes_its_estimator_reads(tiny_model, tokenizer,
     """Per micro-batch: one policy pass, one anchor pass only where the estimator reads the anchor in prepare (not
     the exact KL, whose update pass reads it, nor with the KL off), and Top-k only for the Top-k estimators; the
     PreparedBatch holds nothing else. Counted by forward hooks on each decoder and a spy on the LM-head statistics."""
-    import trainer.forward
+    import trainer.learner.logprobs
 
     model = copy.deepcopy(tiny_model)
     learner = make_learner(model, 2, "token-mean", estimator, f"kl.direction={direction}", "train.share_prefix=false")
     passes, topk_requests = [], []
     model.get_decoder().register_forward_hook(lambda *_: passes.append("policy"))
     learner.anchor_logits.model.get_decoder().register_forward_hook(lambda *_: passes.append("anchor"))
-    token_logprobs = trainer.forward.token_logprobs
+    token_logprobs = trainer.learner.logprobs.token_logprobs
 
     def spy(hidden, head, ids, **options):
         if options.get("topk") is not None:
             topk_requests.append("policy" if head is model.get_output_embeddings() else "anchor")
         return token_logprobs(hidden, head, ids, **options)
 
-    monkeypatch.setattr(trainer.forward, "token_logprobs", spy)
+    monkeypatch.setattr(trainer.learner.logprobs, "token_logprobs", spy)
     batch = learner.prepare(collate(ragged_trajectories(len(tokenizer)), torch.zeros(6), tokenizer.pad_token_id))
     micro = 3  # 6 rows, 2 per micro-batch
     assert passes.count("policy") == micro and passes.count("anchor") == anchor_passes * micro
@@ -486,7 +486,7 @@ def test_gradient_probe_splits_the_first_steps_gradient_into_the_kl_terms_and_th
 
 
 def test_zero_advantage_groups_counts_the_groups_with_every_advantage_zero():
-    from trainer.gradient_probe import zero_advantage_groups
+    from trainer.advantages import zero_advantage_groups
 
     advantages = torch.tensor([0.0, 0.0, 1.0, -1.0, 0.0, 0.0, 0.0])
     assert zero_advantage_groups(advantages, ["a", "a", "b", "b", "c", "c", "d"]) == 3  # a, c and d (a group of one)

@@ -1,4 +1,4 @@
-"""Chunked log-probs (trainer.logprobs): the same values and gradients as the whole logits through autograd, without
+"""Chunked log-probs (trainer.learner.logprobs): the same values and gradients as the whole logits through autograd, without
 ever keeping a (tokens, V) block for the backward pass."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.logprobs import token_logprobs
+from trainer.learner.logprobs import token_logprobs
 
 M, H, V = 37, 16, 300  # 37 tokens: chunks of 8 leave a ragged last chunk
 

@@ -1,6 +1,6 @@
 """docs/metrics.md lists every logged metric once: a tiny RL run and a tiny SFT run log no key it does not document,
 and every key it marks "always" is logged. Keys are namespaced, merged without silent overwrites, and older runs'
-flat names are read under the new ones (trainer/bookkeeping.py)."""
+flat names are read under the new ones (trainer/run/metrics_log.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from test_learner import ragged_trajectories
 from test_training import make_trainer, tiny_config
 
-from trainer.bookkeeping import FLAT_NAMES, NAMESPACES, merge_metrics, namespaced, read_metrics
+from trainer.run.metrics_log import FLAT_NAMES, NAMESPACES, merge_metrics, namespaced, read_metrics
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -53,7 +53,7 @@ def test_every_key_an_rl_run_logs_is_documented(tmp_path, tiny_model, tokenizer)
 
 
 def test_every_key_an_sft_run_logs_is_documented(tmp_path, tiny_model, tokenizer):
-    from trainer.sft import SFTTrainer
+    from trainer.run.sft import SFTTrainer
 
     cfg = tiny_config(tmp_path, "sft.batch_size=6", "sft.micro_batch_size=3")
     SFTTrainer(cfg, copy.deepcopy(tiny_model), ragged_trajectories(len(tokenizer)), tokenizer.pad_token_id).run()

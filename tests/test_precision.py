@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.forward import autocast, resolve_autocast
+from trainer.learner.logprobs import autocast, resolve_autocast
 from trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -133,7 +133,7 @@ class SamplingParamsSeen(Exception):
 def test_rollout_top_p_reaches_the_iterations_sampling_params(tmp_path):
     from agent.backend import SamplingParams
     from data.qa import QAExample
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     class FakeEngineStoppingAtRollout:
         def sync_weights(self) -> None:

@@ -15,8 +15,8 @@ import torch
 from test_learner import make_learner, ragged_trajectories
 from torch import Tensor
 
-from trainer.batch import collate
-from trainer.forward import response_logits
+from trainer.learner.batch import collate
+from trainer.learner.logprobs import response_logits
 from trainer.config import ConfigError, load_config
 from trainer.kl import KLInputs, gather_logprobs
 from trainer.registry import KL_ESTIMATORS, KLReads, register_kl_estimator

@@ -28,7 +28,7 @@ def test_rows_of_a_rollout_never_share_a_seed():
 
 
 def test_rollout_workers_use_the_worker_seed():
-    from trainer.distributed import worker_params
+    from trainer.run.ray_workers import worker_params
 
     params = SamplingParams(temperature=1.0, seed=rollout_seed(3, 17))
     assert worker_params(params, 2).seed == 17_000_068 and worker_params(params, 0) == params

@@ -17,8 +17,8 @@ from data.qa import QAExample
 from eval.metrics import normalize_answer
 from retriever.client import Hit, RetrieverClient
 from trainer.config import load_config
-from trainer.demonstrations import build_demonstrations, gold_in_hits, keyword_query
-from trainer.sft import SFTTrainer, sft_loss
+from agent.demonstrations import build_demonstrations, gold_in_hits, keyword_query
+from trainer.run.sft import SFTTrainer, sft_loss
 
 MAX_OBS = 200
 COMPARE_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_compare.yaml")
@@ -95,8 +95,8 @@ def test_demonstrations_keep_answers_out_of_masks_and_observations_in(demos, que
 
 
 def test_sft_loss_is_the_mean_nll_of_the_model_tokens_only(tiny_model, tokenizer):
-    from trainer.batch import collate
-    from trainer.forward import response_logits
+    from trainer.learner.batch import collate
+    from trainer.learner.logprobs import response_logits
 
     trajs = [Trajectory(uid="g#0", group_id="g", question="q", golden_answers=["a"], prompt_ids=[5, 6, 7])]
     trajs[0].append([11, 12], model=True, logprobs=[0.0, 0.0])
@@ -120,8 +120,8 @@ def sft_config(tmp_path, *overrides):
 
 
 def test_sft_drives_the_masked_loss_down_and_init_starts_rl_there(demos, tiny_model, tokenizer, tmp_path):
-    from trainer.batch import collate
-    from trainer.forward import response_logits
+    from trainer.learner.batch import collate
+    from trainer.learner.logprobs import response_logits
     from conftest import local_engine
 
     fixed = demos[0][:4]

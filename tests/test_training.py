@@ -13,7 +13,7 @@ import torch
 from data.qa import QAExample
 from trainer.config import load_config
 from conftest import local_engine
-from trainer.loop import Trainer
+from trainer.run.loop import Trainer
 from trainer.reward import Score
 
 # A random Llama initialised with std 0.3 (not 0.02) has a peaked first-token distribution: for seed 0 its three
@@ -111,7 +111,7 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
 
     # ... then resumed in this process for the last 2 iterations.
     resumed = make_trainer(tiny_config(tmp_path / "b", "train.iterations=4"), peaked_model, tokenizer)
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.run.checkpoint import latest_checkpoint
 
     resumed.restore(latest_checkpoint(tmp_path / "b" / "run"))
     assert resumed.iteration == 2
@@ -119,8 +119,8 @@ def test_resume_after_a_killed_process_equals_an_uninterrupted_run(tmp_path, pea
     for want, got in zip(history[2:], tail, strict=True):
         for key in ("rollout/reward", "loss/policy", "kl/anchor", "loss/grad_norm", "kl/anchor_distance"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    for (name, a), b in zip(straight.engine.learning.policy.state_dict().items(),
-                            resumed.engine.learning.policy.state_dict().values(), strict=True):
+    for (name, a), b in zip(straight.workers.learning.policy.state_dict().items(),
+                            resumed.workers.learning.policy.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
 
 

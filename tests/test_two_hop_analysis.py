@@ -179,7 +179,7 @@ def test_search_outcomes_count_shares_of_every_two_hop_trajectory(tmp_path):
 
 def test_grad_share_skips_iteration_1_and_keeps_a_resumed_iterations_last_line_time_counts_every_line(tmp_path):
     fake_metrics(tmp_path / "metrics.jsonl", share_scale=1.0)
-    from trainer.bookkeeping import read_metrics
+    from trainer.run.metrics_log import read_metrics
 
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert mean_grad_share(metrics) == pytest.approx((0.1 + 0.3 + 0.5) / 3)

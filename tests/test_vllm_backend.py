@@ -27,11 +27,11 @@ from agent.settings import RolloutSettings
 from data.qa import QAExample
 from retriever.client import AsyncRetrieverClient, RetrieverClient
 from retriever.process import free_port
-from trainer.batch import collate
-from trainer.forward import response_logits
+from trainer.learner.batch import collate
+from trainer.learner.logprobs import response_logits
 from trainer.config import load_config
 from trainer.kl import gather_logprobs
-from trainer.loop import Trainer
+from trainer.run.loop import Trainer
 from trainer.reward import Score
 
 QUESTION = QAExample("nq/test/0", "nq", "test", "who wrote pride and prejudice?", ("Jane Austen",), "t")

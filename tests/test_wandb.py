@@ -70,7 +70,7 @@ def item_key(item) -> str:
 
 
 def test_an_offline_run_writes_its_metrics_config_and_reports_under_the_run_folder(tmp_path, tiny_model, tokenizer):
-    from trainer.wandb_logger import attach_run_reports
+    from trainer.run.wandb_logger import attach_run_reports
 
     cfg = tiny_config(tmp_path, "train.iterations=2", "logging.wandb.mode=offline", "logging.wandb.project=emapg-test",
                       "logging.wandb.tags=[unit]")

@@ -1,4 +1,5 @@
-"""GRPO advantages: each rollout's reward relative to the other rollouts of the same prompt instance.
+"""GRPO advantages: each rollout's reward relative to the other rollouts of the same prompt instance (and two
+counts of the groups that teach nothing, logged every iteration).
 
     A_i = (R_i - mean_group) / (std_group + eps)        GRPO
     A_i =  R_i - mean_group                             Dr. GRPO (normalize_std=False)
@@ -13,6 +14,9 @@ rounds to 0.10000000000000002, so R - mean would be a tiny non-zero number divid
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -71,3 +75,20 @@ def broadcast_to_tokens(advantages: Tensor, loss_mask: Tensor) -> Tensor:
         raise ValueError(f"need advantages (N,) and loss_mask (N, T); got {shapes}")
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     return torch.where(loss_mask.bool(), advantages[:, None], zero)
+
+
+def zero_variance_share(rewards: Sequence[float], group_ids: Sequence[str]) -> float:
+    """Share of groups whose rewards are all equal: GRPO gives every member advantage 0, so they teach nothing (a
+    group of one included). 0.0 for no groups."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for reward, group in zip(rewards, group_ids, strict=True):
+        groups[group].append(reward)
+    return sum(max(g) == min(g) for g in groups.values()) / max(1, len(groups))
+
+
+def zero_advantage_groups(advantages: Tensor, group_ids: list) -> int:
+    """How many groups have every advantage exactly 0 (all rewards equal under GRPO): they add no policy gradient."""
+    groups: dict = {}
+    for advantage, group in zip(advantages.tolist(), group_ids, strict=True):
+        groups[group] = groups.get(group, True) and advantage == 0.0
+    return sum(groups.values())

@@ -145,7 +145,7 @@ class KLSection(Section):
 
 class LoRASection(Section):
     """LoRA adapters (peft) on the policy: W = W0 + (alpha / rank) B A in each targeted Linear, W0 frozen, only A and
-    B trained (trainer/lora.py); the EMA anchor is then W0 + D with D the EMA of (alpha / rank) B A, exactly
+    B trained (trainer/learner/lora.py); the EMA anchor is then W0 + D with D the EMA of (alpha / rank) B A, exactly
     (trainer.ema.LoraEmaAnchor). A section of its own: `model` stays the plain name or folder it always was."""
 
     rank: int = Field(0, ge=0)  # 0 = off: full fine-tuning
@@ -203,7 +203,7 @@ class DistributedSection(Section):
 
 
 class WandbSection(Section):
-    """Weights & Biases, beside metrics.jsonl and TensorBoard (trainer/wandb_logger.py). offline: everything is
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (trainer/run/wandb_logger.py). offline: everything is
     written under the run folder (<run>/wandb/), no network; `wandb sync <run>/wandb/offline-run-*` uploads it later."""
 
     mode: Literal["disabled", "offline", "online"] = "disabled"
@@ -222,7 +222,7 @@ class CheckpointSection(Section):
 
 
 class GuardSection(Section):
-    """The training-health guard (trainer/guard.py). Non-finite steps are always skipped while it is on; the collapse
+    """The training-health guard (trainer/run/guard.py). Non-finite steps are always skipped while it is on; the collapse
     rules below are checked every iteration (None turns one off). The defaults fire on NaNs and on clear collapses
     only, never on a healthy CPU demo or compare run (their per-iteration reward swings 0.09-0.52, entropy ~0.25)."""
 

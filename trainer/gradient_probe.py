@@ -64,11 +64,3 @@ class GradientProbe:
     def finish(self) -> dict[str, float]:
         """The grad/ metrics of the gradient accumulated in .grad so far (call before clipping)."""
         return gradient_split([p.grad for p in self.params], self.kl_grad)
-
-
-def zero_advantage_groups(advantages: Tensor, group_ids: list) -> int:
-    """How many groups have every advantage exactly 0 (all rewards equal under GRPO): they add no policy gradient."""
-    groups: dict = {}
-    for advantage, group in zip(advantages.tolist(), group_ids, strict=True):
-        groups[group] = groups.get(group, True) and advantage == 0.0
-    return sum(groups.values())

@@ -170,7 +170,7 @@ def topk_kl(
     logits: Tensor, ref_topk_logprobs: Tensor, ref_token_logprob: Tensor, topk_ids: Tensor, tokens: Tensor, **options
 ) -> Tensor:
     """`topk_kl_from_logprobs` from the policy's whole logits (B, T, V) (the only input that carries gradient):
-    the reference form, where the learner computes the log-probs chunk by chunk (trainer.logprobs). `options`:
+    the reference form, where the learner computes the log-probs chunk by chunk (trainer.learner.logprobs). `options`:
     direction, old_token_logprob, iw_clip, gradient. k may also be V (the exact KL)."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
@@ -209,7 +209,7 @@ def topk_kl_from_logprobs(
 
     From all the estimator reads of the policy's logits: its log-probs (normalised over the full vocabulary) at the
     head ids and at the sampled token, the only inputs that carry gradient. So the learner can compute them chunk by
-    chunk (trainer.logprobs) without ever holding (..., V); `topk_kl` takes the whole logits instead.
+    chunk (trainer.learner.logprobs) without ever holding (..., V); `topk_kl` takes the whole logits instead.
 
     head_logprobs:     (..., k) log pi_theta at topk_ids.
     token_logprob:     (...)    log pi_theta(p) of the sampled token.
@@ -309,7 +309,7 @@ _register_topk("topk", "unbiased")  # ours
 
 @register_kl_estimator("exact", KLReads("exact", importance_weight=False))
 def exact_estimator(x: KLInputs) -> Tensor:
-    return x.exact_kl  # computed beside the policy's LM head, chunk by chunk (trainer.logprobs)
+    return x.exact_kl  # computed beside the policy's LM head, chunk by chunk (trainer.learner.logprobs)
 
 
 def _register_sampled(kind: str) -> None:

@@ -10,7 +10,7 @@ Two ways to say how long the warm-up is (trainer.config.TrainSection):
   iteration's steps run at 0. With 10 AdamW steps per iteration that is 10 W steps of warm-up, where warmup_steps
   counts single steps.
 
-A step the guard skips (trainer.guard) does not step the schedule in either mode, so after a skip the fraction mode's
+A step the guard skips (trainer.run.guard) does not step the schedule in either mode, so after a skip the fraction mode's
 rate changes one step later within the iteration than verl's would.
 """
 

@@ -32,13 +32,13 @@ from experiments.mechanism.kl_gradient_variance import kl_gradient_moments
 from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
 from experiments.mechanism.sweep import Cell, StudyConfig, train_overrides
 from retriever.client import RetrieverError
-from trainer.batch import collate
-from trainer.forward import response_logits
-from trainer.bookkeeping import FLAT_NAMES
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.learner.batch import collate
+from trainer.learner.logprobs import response_logits
+from trainer.run.metrics_log import FLAT_NAMES
+from trainer.run.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_config
-from trainer.engine import LocalEngine
-from trainer.loop import Trainer
+from trainer.run.workers import LocalWorkers
+from trainer.run.loop import Trainer
 
 SMOOTH = 5  # iterations in the trailing mean of the reward curve
 FINITE_KEYS = ("loss/total", "loss/policy", "kl/anchor", "loss/grad_norm")
@@ -115,7 +115,7 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
     error = None
     try:
         backend = open_backend(cfg.rollout, cfg.model, tokenizer, policy)  # rollout.backend=transformers: in memory
-        engine = LocalEngine(cfg, policy, backend, make_agent(backend, tokenizer, retriever, cfg.rollout))
+        engine = LocalWorkers(cfg, policy, backend, make_agent(backend, tokenizer, retriever, cfg.rollout))
         Trainer(cfg, engine, tokenizer, [q.example for q in train]).run()
     except RetrieverError:
         raise  # the server, not the method: not a result

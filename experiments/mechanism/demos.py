@@ -8,7 +8,7 @@ bridge city, then the gold answer) must be in Doc 1 of that hop's results as the
 Demonstrations show the ideal strategy on one-hop questions, and on two-hop questions only with probability
 `full_rate`; otherwise the weak strategy: one search, then the bridge city answered as if it were the answer (EM 0).
 A policy that imitates them answers two-hop questions correctly about `full_rate` of the time; RL can learn to
-search twice, which reaches reward 1. They are trainer/demonstrations.py's trajectories (real observations, masked
+search twice, which reaches reward 1. They are agent/demonstrations.py's trajectories (real observations, masked
 as in RL) without its <think> sentences: a tiny model's cost is per model token (its 49k-wide output layer), and
 the sentences would triple the model tokens of a trajectory while teaching nothing here.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from agent.protocol import answer_turn, encode, prompt_ids, prompt_text, search_turn
 from agent.trajectory import Trajectory, Turn
 from experiments.mechanism.kb import KBQuestion
-from trainer.demonstrations import Observation, observe
+from agent.demonstrations import Observation, observe
 
 
 def hop_targets(q: KBQuestion) -> tuple[str, ...]:

@@ -71,9 +71,9 @@ def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
     """The SFT checkpoint's weights (trained once, shared by every cell) and sft_eval.json."""
     from experiments.mechanism.demos import build_demonstrations
     from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
-    from trainer.checkpoint import latest_checkpoint, load_policy_weights
+    from trainer.run.checkpoint import latest_checkpoint, load_policy_weights
     from trainer.config import load_config
-    from trainer.sft import SFTTrainer
+    from trainer.run.sft import SFTTrainer
 
     s, p, r = study.sft, study.policy, study.rl
     cfg = load_config(overrides=[

@@ -41,7 +41,7 @@ from eval.report import EvalReport
 from eval.seed_report import PLAN_FILE, read_plan
 from eval.seed_stats import format_p, mean_interval, paired_seeds
 from experiments.two_hop.calibrate import mean_share
-from trainer.bookkeeping import read_metrics
+from trainer.run.metrics_log import read_metrics
 
 app = typer.Typer(add_completion=False)
 

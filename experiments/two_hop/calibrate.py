@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from trainer.bookkeeping import read_metrics
+from trainer.run.metrics_log import read_metrics
 from trainer.methods import METHODS
 
 app = typer.Typer(add_completion=False)

@@ -62,9 +62,9 @@ def main(
     from retriever.bm25 import build_bm25_index
     from retriever.client import RetrieverClient
     from retriever.process import running_server
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.run.checkpoint import latest_checkpoint
     from trainer.config import load_config
-    from trainer.sft import SFTTrainer
+    from trainer.run.sft import SFTTrainer
 
     cfg = load_config(config, [f"out_dir={out}", f"retriever.index={out / 'index'}",
                                f"data.flashrag_root={out / 'flashrag'}"])

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.forward import ResponseLogprobs
+from trainer.learner.logprobs import ResponseLogprobs
 
 
 class OneProcess:

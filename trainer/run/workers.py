@@ -1,5 +1,5 @@
-"""The Engine a training run drives (docs/algorithm.md §6): roll out, learn, sync weights, state, load state, init
-from a checkpoint. `LocalEngine` does it in this process; `trainer.distributed.RayEngine` on Ray actors (rollout
+"""The workers a training run drives (docs/algorithm.md §6): roll out, learn, sync weights, state, load state, init
+from a checkpoint. `LocalWorkers` does it in this process; `trainer.run.ray_workers.RayWorkers` on Ray actors (rollout
 workers, learner ranks). Both learn with `PolicyTrainer` and roll out with an agent from agent.factory.
 """
 
@@ -18,13 +18,13 @@ from agent.rollout import RolloutAgent
 from agent.seeds import update_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
-from trainer.batch import RolloutBatch
-from trainer.bookkeeping import merge_metrics
-from trainer.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
+from trainer.learner.batch import RolloutBatch
+from trainer.run.metrics_log import merge_metrics
+from trainer.run.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
 from trainer.config import TrainConfig
-from trainer.data_parallel import fsdp_logits
+from trainer.learner.data_parallel import fsdp_logits
 from trainer.ema import anchor_weights_in, ema_anchor, should_update_ema
-from trainer.lora import (
+from trainer.learner.lora import (
     apply_lora,
     engine_weights,
     load_base_weights,
@@ -33,11 +33,11 @@ from trainer.lora import (
     policy_checkpoint_state,
     uses_lora,
 )
-from trainer.learner import Learner, enable_gradient_checkpointing
+from trainer.learner.learner import Learner, enable_gradient_checkpointing
 from trainer.schedule import learning_rate_schedule
 
 
-class Engine(Protocol):
+class Workers(Protocol):
     def rollout(self, examples: list[QAExample], params: SamplingParams,
                 samples: int) -> tuple[list[Trajectory], dict[str, float]]:
         """`samples` trajectories per example with the current policy, and the rollout's stats
@@ -65,7 +65,7 @@ class Engine(Protocol):
 
 class PolicyTrainer:
     """The learning side of a run in one process: policy, EMA anchor, optimizer and schedule, and the EMA-PG step
-    on a scored batch. LocalEngine holds one; under Ray every learner rank holds one (trainer.distributed).
+    on a scored batch. LocalWorkers holds one; under Ray every learner rank holds one (trainer.run.ray_workers).
     With torch.distributed initialised and `distributed.strategy=fsdp`, policy and anchor are sharded the same way
     over the ranks (each rank updates its own shard of the anchor) and the optimizer holds only this rank's shard.
     """
@@ -188,8 +188,8 @@ class PolicyTrainer:
         self.anchor.reset_to(self.policy)
 
 
-class LocalEngine:
-    """The Engine in this process: a PolicyTrainer, and rollouts by `agent` on `backend` (the process's rollout
+class LocalWorkers:
+    """The workers in this process: a PolicyTrainer, and rollouts by `agent` on `backend` (the process's rollout
     engine, owned by whoever made it: a Session shares one between training and evaluation). Both come from
     agent.factory; the engine only syncs the policy's weights into the backend."""
 

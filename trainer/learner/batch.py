@@ -1,10 +1,10 @@
 """Trajectories -> padded tensors for the learner, and how a batch is cut into micro-batches. No model runs here: the
-passes over a batch (hidden states, logits, log-prob statistics, mixed precision) are trainer/forward.py's.
+passes over a batch (hidden states, logits, log-prob statistics, mixed precision) are trainer/learner/logprobs.py's.
 
 Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row sits at
 column P + j and is predicted by the logits at column P + j - 1 (each tensor field declares its columns: `columns`).
 The learner slices the decoder's hidden states to those T columns (to its model tokens, in fact) before the LM head:
-the prompt's V-wide logits are never built, and with chunking (trainer.logprobs) neither are all of the response's at
+the prompt's V-wide logits are never built, and with chunking (trainer.learner.logprobs) neither are all of the response's at
 once.
 """
 

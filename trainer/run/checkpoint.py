@@ -69,7 +69,7 @@ class Checkpoint:
     rng: dict[str, Any]
     data_cursor: dict[str, Any]  # where the prompt sampler is (epoch, position, permutation seed)
     config: dict[str, Any]  # the run's TrainConfig, as JSON-able dict
-    guard: dict[str, Any] = field(default_factory=dict)  # trainer.guard.Guard's state (reward window, rollbacks)
+    guard: dict[str, Any] = field(default_factory=dict)  # trainer.run.guard.Guard's state (reward window, rollbacks)
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The EMA-PG training loop, driving one Engine (trainer.engine: in process, or on Ray actors).
+"""The EMA-PG training loop, driving its workers (trainer.run.workers: in process, or on Ray actors).
 
 Per iteration:
     0. weight sync: an engine with its own copy of the weights (vLLM) gets the policy's, in place
@@ -7,7 +7,7 @@ Per iteration:
     3. rewards (`reward.name`, EM by default, + optional format bonus) -> advantages per group (group id =
        example id; `train.advantage`)
     4. learn: pi_old and anchor top-k, PPO epochs (AdamW), the EMA anchor update on every `ema.period`-th iteration
-    5. the guard (trainer.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
+    5. the guard (trainer.run.guard): collapse signals and rules; a fired rule warns, or rolls back to the latest
        checkpoint at a lower learning rate (guard.rollback)
     6. log, under namespaced keys (docs/metrics.md), to JSONL + TensorBoard, and W&B when `logging.wandb.mode` is
        not disabled; checkpoint every `checkpoint.every` iterations (not one that was rolled back)
@@ -26,9 +26,10 @@ from agent.failures import failed_searches
 from agent.seeds import rollout_seed
 from agent.trajectory import Trajectory, save_jsonl
 from data.qa import QAExample
-from trainer.batch import collate
-from trainer.bookkeeping import PromptSampler, RunLogger, merge_metrics, namespaced
-from trainer.checkpoint import (
+from trainer.learner.batch import collate
+from trainer.run.metrics_log import RunLogger, merge_metrics, namespaced
+from trainer.run.sampler import PromptSampler
+from trainer.run.checkpoint import (
     Checkpoint,
     check_compatible,
     latest_checkpoint,
@@ -38,10 +39,9 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.config import TrainConfig
-from trainer.diagnostics import zero_variance_share
-from trainer.engine import Engine
-from trainer.gradient_probe import zero_advantage_groups
-from trainer.guard import Guard, GuardError, GuardEvent, scale_learning_rate
+from trainer.advantages import zero_advantage_groups, zero_variance_share
+from trainer.run.workers import Workers
+from trainer.run.guard import Guard, GuardError, GuardEvent, scale_learning_rate
 from trainer.reward import Score
 from trainer.scoring import RewardFn, score_rollouts
 
@@ -69,13 +69,13 @@ def rollout_metrics(trajs: list[Trajectory], scores: list[Score]) -> dict[str, f
 
 
 class Trainer:
-    """A run: prompts, rollouts, rewards, advantages, learning, weight sync, logs and checkpoints, over one Engine
-    (trainer.engine.LocalEngine in process, trainer.distributed.RayEngine on Ray actors)."""
+    """A run: prompts, rollouts, rewards, advantages, learning, weight sync, logs and checkpoints, over its workers
+    (trainer.run.workers.LocalWorkers in process, trainer.run.ray_workers.RayWorkers on Ray actors)."""
 
-    def __init__(self, cfg: TrainConfig, engine: Engine, tokenizer, examples: list[QAExample], *,
+    def __init__(self, cfg: TrainConfig, workers: Workers, tokenizer, examples: list[QAExample], *,
                  reward_fn: RewardFn | None = None):
         self.cfg = cfg
-        self.engine = engine
+        self.workers = workers
         self.tokenizer = tokenizer
         self.sampler = PromptSampler(examples, cfg.seed)
         self.reward_fn = reward_fn
@@ -83,7 +83,7 @@ class Trainer:
         self.guard = Guard(cfg.guard, cfg.run_dir)
 
     def state(self) -> Checkpoint:
-        return Checkpoint(iteration=self.iteration, **self.engine.state(), rng=rng_state(),
+        return Checkpoint(iteration=self.iteration, **self.workers.state(), rng=rng_state(),
                           data_cursor=self.sampler.cursor(), config=self.cfg.model_dump(mode="json"),
                           guard=self.guard.state_dict())
 
@@ -94,7 +94,7 @@ class Trainer:
         check_compatible(ckpt.config, self.cfg.model_dump(mode="json"), keys=("model", "seed"))
         if lr_scale is not None:
             scale_learning_rate(ckpt.optimizer, ckpt.scheduler, lr_scale / ckpt.guard.get("lr_scale", 1.0))
-        self.engine.load_state({"policy": ckpt.policy, "anchor": ckpt.anchor, "optimizer": ckpt.optimizer,
+        self.workers.load_state({"policy": ckpt.policy, "anchor": ckpt.anchor, "optimizer": ckpt.optimizer,
                                 "scheduler": ckpt.scheduler})
         self.sampler.restore(ckpt.data_cursor)
         set_rng_state(ckpt.rng)
@@ -125,21 +125,21 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.iteration += 1
         start = time.perf_counter()
-        self.engine.sync_weights()
+        self.workers.sync_weights()
         timings = {"time/weight_sync_s": time.perf_counter() - start}
         start = time.perf_counter()
         examples = self.sampler.next(t.prompts_per_iteration)
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 max_tokens=cfg.rollout.max_tokens_per_turn, seed=rollout_seed(cfg.seed, self.iteration))
-        trajs, rollout_stats = self.engine.rollout(examples, params, t.rollouts_per_prompt)
+        trajs, rollout_stats = self.workers.rollout(examples, params, t.rollouts_per_prompt)
         timings["time/rollout_s"] = time.perf_counter() - start
 
         scored = score_rollouts(trajs, cfg, self.reward_fn)
         scores, advantages = scored.scores, scored.advantages
-        stats = self.engine.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
+        stats = self.workers.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         stats["grad/zero_advantage_groups"] = zero_advantage_groups(advantages, [traj.group_id for traj in trajs])
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
-        # The engine's stats come under flat names (trainer.bookkeeping.FLAT_NAMES); rollout/retrieval_wait_s is part
+        # The workers' stats come under flat names (trainer.run.metrics_log.FLAT_NAMES); rollout/retrieval_wait_s is part
         # of time/rollout_s (time/ are the iteration's phases).
         return merge_metrics(rollout_metrics(trajs, scores), namespaced(stats), timings, namespaced(rollout_stats))
 
@@ -174,7 +174,7 @@ def resume_or_start(trainer: Trainer, resume: bool, init: Path | None) -> None:
     """Resume from the run's latest checkpoint, or start from `init`'s policy; both when given both: a LoRA run's
     checkpoints hold its adapters, and its frozen base is `init`'s again (otherwise the checkpoint overwrites it)."""
     if init is not None:
-        trainer.engine.init_from(init)
+        trainer.run.workers.init_from(init)
     if resume:
         path = latest_checkpoint(trainer.cfg.run_dir)
         if path is None:

@@ -1,11 +1,11 @@
 """The training-health guard: a non-finite loss or gradient never reaches the weights, collapse signals are logged
 every iteration, and (optionally) a collapse rolls the run back to its last good checkpoint at a lower learning rate.
 
-    per optimizer step (trainer.learner, `StepGuard`): a micro-batch loss or the gradient norm that is not finite
+    per optimizer step (trainer.learner.learner, `StepGuard`): a micro-batch loss or the gradient norm that is not finite
         skips the whole step (gradients dropped, no AdamW step, no scheduler step); `max_consecutive_skips` skipped
         steps in a row stop the run. Under DDP/FSDP the ranks agree: the gradient norm is taken after the all-reduce
         (the same on every rank) and the first bad micro-batch is all-reduced too.
-    per iteration (trainer.loop, `Guard`): signals beside the metrics, under `guard/` (the reward's trailing mean and
+    per iteration (trainer.run.loop, `Guard`): signals beside the metrics, under `guard/` (the reward's trailing mean and
         its running peak, the entropy's trailing mean and its value at the run's first iteration; entropy, KL to the
         anchor, clip fraction, response length and the share of zero-variance groups are logged already) and the
         collapse rules, pure functions of them. A fired rule is an event in
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.bookkeeping import merge_metrics
+from trainer.run.metrics_log import merge_metrics
 from trainer.config import GuardSection
 
 log = logging.getLogger("emapg.guard")

@@ -19,13 +19,14 @@ from torch import Tensor
 from transformers import get_constant_schedule_with_warmup
 
 from agent.trajectory import Trajectory
-from trainer.batch import collate
-from trainer.forward import autocast, response_logits
-from trainer.bookkeeping import PromptSampler, RunLogger
-from trainer.checkpoint import Checkpoint, rng_state, save_checkpoint
+from trainer.learner.batch import collate
+from trainer.learner.logprobs import autocast, response_logits
+from trainer.run.metrics_log import RunLogger
+from trainer.run.sampler import PromptSampler
+from trainer.run.checkpoint import Checkpoint, rng_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.kl import gather_logprobs
-from trainer.learner import micro_batch_shares, micro_batches
+from trainer.learner.learner import micro_batch_shares, micro_batches
 
 
 def sft_loss(token_logits: Tensor, token_ids: Tensor) -> Tensor:

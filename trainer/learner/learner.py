@@ -5,10 +5,10 @@
               nothing ("exact", and the KL off): a new PreparedBatch (the RolloutBatch is left as it was)
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
               loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
-              a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.guard)
+              a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.run.guard)
     then the caller applies the EMA anchor update on its period.
 
-Stats come back under flat names, which trainer.bookkeeping.namespaced maps to the logged ones (`kl` -> kl/anchor,
+Stats come back under flat names, which trainer.run.metrics_log.namespaced maps to the logged ones (`kl` -> kl/anchor,
 ...), except the gradient probe's grad/ metrics (trainer.gradient_probe), returned under their logged names.
 """
 
@@ -22,15 +22,15 @@ import torch
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.batch import PreparedBatch, RolloutBatch, prefix_micro_batches, scatter_tokens
+from trainer.learner.batch import PreparedBatch, RolloutBatch, prefix_micro_batches, scatter_tokens
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
-from trainer.data_parallel import data_parallel
+from trainer.learner.data_parallel import data_parallel
 from trainer.ema import EmaAnchor, LoraEmaAnchor
-from trainer.forward import ResponseLogprobs, autocast
+from trainer.learner.logprobs import ResponseLogprobs, autocast
 from trainer.gradient_probe import GradientProbe
-from trainer.guard import StepGuard
+from trainer.run.guard import StepGuard
 from trainer.kl import KLInputs
-from trainer.logprobs import TokenLogprobs
+from trainer.learner.logprobs import TokenLogprobs
 from trainer.policy_loss import masked_mean, ppo_clip_loss
 from trainer.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
@@ -59,8 +59,8 @@ class Learner:
     """One process's learner. Data-parallel (torch.distributed initialised, world size W): every rank holds the
     same batch; prepare() splits its micro-batches over the ranks and sums the results, update() gives rank r every
     W-th micro-batch of each mini-batch and DDP (or FSDP, when given sharded `policy_logits` / `anchor_logits` from
-    `trainer.data_parallel.fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on
-    the whole mini-batch; `self.parallel` (trainer.data_parallel) says how. Under FSDP every rank must run the same
+    `trainer.learner.data_parallel.fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on
+    the whole mini-batch; `self.parallel` (trainer.learner.data_parallel) says how. Under FSDP every rank must run the same
     number of passes (they gather weights together): the config makes the micro-batches a multiple of W."""
 
     def __init__(
@@ -95,7 +95,7 @@ class Learner:
     def token_stats(self, mb: RolloutBatch, ids: Tensor | None = None, anchor: bool = False,
                     **options) -> TokenLogprobs | Tensor:
         """Per-token log-prob statistics at the micro-batch's M model tokens (loss_mask), packed: log pi at the
-        (M, n) `ids` and what `options` ask for (trainer.logprobs.token_logprobs). Every per-token quantity is
+        (M, n) `ids` and what `options` ask for (trainer.learner.logprobs.token_logprobs). Every per-token quantity is
         computed there only, never at observations or padding (nothing is learned there, and they are most of a
         search trajectory's tokens). The policy's, or the anchor's; without `ids`, the (M, H) hidden states."""
         with autocast(self.autocast_kind, self.policy):

@@ -1,28 +1,23 @@
-"""What a run keeps besides the model: the order its prompts come in (a seeded permutation per epoch, with a cursor
-that checkpoints save) and its per-iteration log (JSONL + TensorBoard), whose keys are namespaced (`rollout/`,
-`loss/`, `kl/`, `time/`, `guard/`; docs/metrics.md). Used by the RL and the SFT trainers alike.
+"""A run's per-iteration log (JSONL + TensorBoard, and W&B when configured), whose keys are namespaced (`rollout/`,
+`loss/`, `kl/`, `grad/`, `time/`, `guard/`; docs/metrics.md). Used by the RL and the SFT trainers alike.
 Seeding and the learning-rate schedule are transformers' (`set_seed`, `get_constant_schedule_with_warmup`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from data.qa import QAExample
 from trainer.config import TrainConfig
 
 NAMESPACES = ("rollout", "loss", "kl", "grad", "time", "guard")
 
-# The flat names -> the logged ones. Flat are what trainer.learner and trainer.engine return (trainer.loop places
+# The flat names -> the logged ones. Flat are what trainer.learner.learner and trainer.run.workers return (trainer.run.loop places
 # them; a name they return as "<namespace>/<name>" is kept) and what runs logged before the namespaces (the records
 # in docs/evidence/*_logs.tar.gz, and any run resumed from one): `read_metrics` reads those under the new names.
 FLAT_NAMES = {
-    # rollouts (trainer.loop, trainer.engine)
+    # rollouts (trainer.run.loop, trainer.run.workers)
     "reward": "rollout/reward",
     "em": "rollout/em",
     "format": "rollout/format",
@@ -34,7 +29,7 @@ FLAT_NAMES = {
     "loss_mask_coverage": "rollout/loss_mask_coverage",
     "zero_variance_groups": "rollout/zero_variance_groups",
     "rollout_retrieval_wait_s": "rollout/retrieval_wait_s",
-    # the update (trainer.learner; trainer.sft)
+    # the update (trainer.learner.learner; trainer.run.sft)
     "loss": "loss/total",
     "policy_loss": "loss/policy",
     "clip_fraction": "loss/clip_fraction",
@@ -48,17 +43,17 @@ FLAT_NAMES = {
     "sampler_trainer_logprob_gap_max": "loss/sampler_trainer_logprob_gap_max",
     "sft_loss": "loss/sft",
     "model_tokens": "loss/model_tokens",
-    # the anchor (trainer.learner, trainer.engine)
+    # the anchor (trainer.learner.learner, trainer.run.workers)
     "kl": "kl/anchor",
     "anchor_distance": "kl/anchor_distance",
-    # phases (trainer.loop, trainer.engine; trainer.sft)
+    # phases (trainer.run.loop, trainer.run.workers; trainer.run.sft)
     "time_weight_sync_s": "time/weight_sync_s",
     "time_rollout_s": "time/rollout_s",
     "time_prepare_s": "time/prepare_s",
     "time_update_s": "time/update_s",
     "time_ema_s": "time/ema_s",
     "time_step_s": "time/step_s",
-    # the guard (trainer.guard, trainer.learner)
+    # the guard (trainer.run.guard, trainer.learner.learner)
     "reward_smoothed": "guard/reward_smoothed",
     "reward_peak": "guard/reward_peak",
     "entropy_smoothed": "guard/entropy_smoothed",
@@ -103,46 +98,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [{FLAT_NAMES.get(key, key): value for key, value in row.items()} for row in rows]
 
 
-@dataclass
-class PromptSampler:
-    """Epochs over a fixed example list, each in a seeded random order; (epoch, position) is the cursor."""
-
-    examples: list[QAExample]
-    seed: int
-    epoch: int = 0
-    position: int = 0
-
-    def _order(self) -> np.ndarray:
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples))
-
-    def next(self, n: int) -> list[QAExample]:
-        out: list[QAExample] = []
-        while len(out) < n:
-            order = self._order()
-            take = order[self.position : self.position + n - len(out)]
-            out += [self.examples[i] for i in take]
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
-
-    def cursor(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.examples)}
-
-    def restore(self, cursor: dict) -> None:
-        if cursor.get("size") != len(self.examples) or cursor.get("seed") != self.seed:
-            raise ValueError(f"checkpoint data cursor {cursor} does not match {len(self.examples)} train examples")
-        self.epoch, self.position = cursor["epoch"], cursor["position"]
-
-
 class RunLogger:
     """Per-iteration metrics to `metrics.jsonl`, TensorBoard (`tb/`) and, given a `cfg` whose logging.wandb.mode is
-    not disabled, Weights & Biases (`wandb/`, with the run's config; trainer/wandb_logger.py)."""
+    not disabled, Weights & Biases (`wandb/`, with the run's config; trainer/run/wandb_logger.py)."""
 
     def __init__(self, run_dir: Path, cfg: TrainConfig | None = None, job_type: str = "train"):
         from torch.utils.tensorboard import SummaryWriter
 
-        from trainer.wandb_logger import run_name, start_run
+        from trainer.run.wandb_logger import run_name, start_run
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")

@@ -1,7 +1,7 @@
 """Scale-out on Ray: rollout workers (one engine each) and learner ranks (torch.distributed: DDP or FSDP2) as
-actors behind `RayEngine`, which the training loop (`trainer.loop.Trainer`) drives as it drives the in-process one.
+actors behind `RayWorkers`, which the training loop (`trainer.run.loop.Trainer`) drives as it drives the in-process one.
 
-    driver (Trainer + RayEngine)   prompts -> split over workers -> trajectories -> rewards, advantages, batch
+    driver (Trainer + RayWorkers)   prompts -> split over workers -> trajectories -> rewards, advantages, batch
       RolloutWorker x W            rollouts over its own engine (vLLM: continuous; transformers) and retriever client
       LearnerRank x R              PolicyTrainer: prepare + update (gradients summed over ranks) + EMA anchor
     after each update              rank 0's weights -> object store -> every worker's engine, in place
@@ -27,9 +27,9 @@ from agent.seeds import worker_seed
 from agent.trajectory import Trajectory
 from data.qa import QAExample
 from retriever.process import free_port
-from trainer.batch import RolloutBatch
+from trainer.learner.batch import RolloutBatch
 from trainer.config import TrainConfig
-from trainer.engine import PolicyTrainer
+from trainer.run.workers import PolicyTrainer
 
 
 def _policy(cfg: TrainConfig, device: str | None = None):
@@ -151,8 +151,8 @@ def start_ray(cfg: TrainConfig) -> None:
              include_dashboard=False, log_to_driver=True)
 
 
-class RayEngine:
-    """The Engine on Ray actors: rollouts split over the workers, learning on the ranks, rank 0's weights synced into
+class RayWorkers:
+    """The workers on Ray actors: rollouts split over the workers, learning on the ranks, rank 0's weights synced into
     every worker's engine."""
 
     def __init__(self, cfg: TrainConfig):

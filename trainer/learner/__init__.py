@@ -1,0 +1,1 @@
+"""The learner's machinery: batches, log-prob passes, LoRA, data parallelism, and the Learner (prepare + update)."""
