@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 PACKAGED_SMOLLM2 = "smollm2-135m-instruct"
@@ -37,10 +38,15 @@ def packaged_smollm2_dir() -> Path:
     del config.quantization_config  # the weights are dequantised fp32 now; a GGUF-tagged model cannot be saved
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict(), strict=True)
-    tmp = out.with_name(out.name + ".tmp")
+    # A folder of this process's own: two processes starting at once (a study's blocks) each write a whole copy, and
+    # the first rename wins; the other's copy is dropped.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process's copy is already in place
+        shutil.rmtree(tmp)
     return out
 
 
