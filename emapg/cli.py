@@ -113,6 +113,52 @@ def index(
 
 
 @app.command()
+def adopt(
+    faiss_file: Annotated[Path, typer.Argument(help="FAISS index built elsewhere, e.g. Search-R1's e5_Flat.index")],
+    corpus_path: Annotated[Path, typer.Option("--corpus", help="the JSONL corpus it was built from (row i = line i), "
+                                              "e.g. wiki-18.jsonl")],
+    encoder: Annotated[str, typer.Option(help="the encoder that built it: preset (e5-base-v2, minilm), hub id or "
+                                         "local folder; a folder named like e5 or bge gets Search-R1's prefixes")],
+    out: Annotated[Path, typer.Option(help="index folder to create")],
+    link: Annotated[str, typer.Option(help="how the folder holds the FAISS file: symlink (no copy; the file must "
+                                      "stay where it is), hardlink (same filesystem), or copy")] = "symlink",
+    copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the folder (default: reference it)")] = False,
+    sample: Annotated[int, typer.Option(min=1, help="passages re-encoded and compared with their stored "
+                                        "vectors")] = 64,
+    query_prefix: Annotated[str | None, typer.Option(help="override the encoder's query prefix")] = None,
+    passage_prefix: Annotated[str | None, typer.Option(help="override the encoder's passage prefix")] = None,
+    device: Annotated[str, typer.Option(help="encoder device for the sample: cpu, cuda")] = "cpu",
+    encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino "
+                                                 "(CPU), or auto")] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
+) -> None:
+    """Adopt a FAISS index built elsewhere (Search-R1's wiki-18 e5 index): write our manifest beside it without
+    re-encoding the corpus, after checking vector count, dimension, norms and a re-encoded sample; a mismatch is
+    refused by name (docs/retriever.md)."""
+    from retriever.adopt import AdoptionRefused, Check, adopt_faiss_index
+
+    def show(check: Check) -> None:
+        from rich.markup import escape
+
+        mark = "[green]ok[/]" if check.ok else "[bold red]MISMATCH[/]"
+        console.print(f"{mark} {check.name}: {escape(check.found)}", highlight=False)
+
+    try:
+        manifest = adopt_faiss_index(
+            faiss_file, corpus_path, out, encoder=encoder, query_prefix=query_prefix, passage_prefix=passage_prefix,
+            link=link, copy_corpus=copy_corpus, sample=sample, device=device, backend=encoder_backend,
+            overwrite=overwrite, on_check=show,
+        )
+    except AdoptionRefused as e:
+        _fail(f"{e}; nothing was written to {out}")
+    except (FileExistsError, FileNotFoundError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+    console.print(f"adopted {manifest.corpus.num_docs:,} vectors into {out}: index.faiss is a {manifest.adopted.link}"
+                  f"{' of' if manifest.adopted.link == 'copy' else ' to'} {manifest.adopted.source}; serve it with "
+                  f"`emapg serve --index {out}`")
+
+
+@app.command()
 def serve(
     index_dir: Annotated[Path, typer.Option("--index", help="index folder")] = DEFAULT_INDEX,
     encoder: Annotated[str | None, typer.Option(help="must match the index's encoder; default: the index's")] = None,
