@@ -42,7 +42,7 @@ def straight_run(tmp_path_factory, tiny_model, tokenizer):
     """The tiny transformers-backend run of test_training, uninterrupted: its metrics and final policy."""
     trainer = make_trainer(tiny_config(tmp_path_factory.mktemp("straight"), f"train.iterations={ITERATIONS}"),
                            tiny_model, tokenizer)
-    return trainer.run(), trainer.run.workers.learning.policy
+    return trainer.run(), trainer.workers.learning.policy
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

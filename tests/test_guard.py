@@ -289,14 +289,14 @@ def small_run(tmp_path, *overrides):
 def test_n_skipped_steps_in_a_row_stop_the_run_naming_iteration_and_micro_batch(tmp_path, peaked_model, tokenizer):
     cfg = small_run(tmp_path, "train.iterations=5", "guard.max_consecutive_skips=3")
     trainer = make_trainer(cfg, peaked_model, tokenizer)
-    start = copy.deepcopy(trainer.run.workers.learning.policy.state_dict())
-    layer = trainer.run.workers.learning.policy.get_decoder().layers[0].mlp
+    start = copy.deepcopy(trainer.workers.learning.policy.state_dict())
+    layer = trainer.workers.learning.policy.get_decoder().layers[0].mlp
     # A fake fault: the MLP's output turns NaN in train mode (the learner's gradient passes), every step.
     layer.register_forward_hook(lambda module, inputs, output: output * NAN if module.training else output)
     with pytest.raises(GuardError, match=r"3 optimizer steps in a row skipped.*iteration 2, optimizer step 1: "
                                          r"micro-batch 0 had a non-finite loss"):
         trainer.run()
-    for name, p in trainer.run.workers.learning.policy.state_dict().items():
+    for name, p in trainer.workers.learning.policy.state_dict().items():
         assert torch.equal(p, start[name]), name
     events = read_events(cfg.run_dir)
     assert [e["action"] for e in events] == ["skipped_steps"]  # iteration 1's 2 skipped steps; then the stop
@@ -337,8 +337,8 @@ def collapse_run(tmp_path, peaked_model, tokenizer, times: int, *overrides):
 
 
 def full_state(trainer) -> dict:
-    return copy.deepcopy({**trainer.run.workers.state(), "cursor": trainer.sampler.cursor(),
-                          "rng": torch.get_rng_state(), "guard": trainer.run.guard.state_dict()})
+    return copy.deepcopy({**trainer.workers.state(), "cursor": trainer.sampler.cursor(),
+                          "rng": torch.get_rng_state(), "guard": trainer.guard.state_dict()})
 
 
 def test_a_collapse_rolls_back_to_exactly_the_last_good_state_at_a_lower_learning_rate(tmp_path, peaked_model,

@@ -48,6 +48,18 @@ def micro_batch_shares(loss_mask: Tensor, micro_rows: list[Tensor], aggregation:
     return [c / total if total else 0.0 for c in counts]
 
 
+def add_into(totals: dict[str, float], values: dict[str, float]) -> None:
+    for key, value in values.items():
+        totals[key] += value
+
+
+def sampler_gap(batch: PreparedBatch) -> dict[str, float]:
+    """|log-prob the rollout engine reported - pi_old's| over model tokens: how far sampler and learner disagree."""
+    gap = (batch.sampler_logprobs - batch.old_logprobs).abs()[batch.loss_mask]
+    return {"sampler_trainer_logprob_gap_mean": float(gap.mean()) if gap.numel() else 0.0,
+            "sampler_trainer_logprob_gap_max": float(gap.max()) if gap.numel() else 0.0}
+
+
 def enable_gradient_checkpointing(model) -> None:
     """transformers' per-decoder-layer activation checkpointing (active in train mode only: the learner's gradient
     passes; its no-grad passes run in eval mode). Non-reentrant: the one that composes with FSDP2 and with inputs
@@ -227,13 +239,12 @@ class Learner:
 
     def update(self, batch: PreparedBatch, generator: torch.Generator | None = None,
                iteration: int = 0) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches of prepare()'s batch; returns stats averaged over the optimizer steps
-        taken, and on a probed iteration (`probe_now`) the grad/ metrics of its first optimizer step. With the guard
-        on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
+        """PPO epochs over shuffled mini-batches of prepare()'s batch, one optimizer step each; returns stats averaged
+        over the steps taken, and on a probed iteration (`probe_now`) the grad/ metrics of its first step. With the
+        guard on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
         if not isinstance(batch, PreparedBatch):
             raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
-        parallel = self.parallel
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
         probe, probed = self.probe_now(iteration), {}
@@ -241,53 +252,62 @@ class Learner:
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini_rows in micro_batches(order, self.train.mini_batch_size):
-                mini = batch.select(mini_rows)
-                self.optimizer.zero_grad(set_to_none=True)
-                micro_rows = self.micro_rows(mini)  # the accumulated gradient is the same sum in any grouping
-                shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
-                mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
-                micro_totals: dict[str, float] = defaultdict(float)  # this step's; kept only if the step is taken
-                bad_micro_batch = None  # this rank's first micro-batch (index in the mini-batch) with a non-finite loss
-                for i, (rows, weight) in enumerate(mine):
-                    if weight == 0.0 and not parallel.lockstep:  # DDP/FSDP need every rank's backward passes
-                        continue
-                    with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
-                        micro_stats = self.micro_loss(mini.select(rows), weight, probe)
-                    if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
-                        bad_micro_batch = parallel.rank + i * parallel.world_size
-                    for key, value in micro_stats.items():
-                        micro_totals[key] += value
+                micro_totals, bad_micro_batch = self.accumulate(batch.select(mini_rows), probe)
                 if probe is not None:  # before clipping: the gradient as the loss made it
                     probed, probe = probe.finish(), None
                 # After the all-reduce (DDP/FSDP): the same norm on every rank.
-                grad_norm = parallel.whole(torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
-                                                                          self.train.grad_clip))
-                if self.step_guard is not None and self.step_guard.skip(
-                        parallel.first_bad_micro_batch(bad_micro_batch, batch.loss_mask.device), float(grad_norm),
-                        f"iteration {iteration}, optimizer step {steps + skipped + 1}"):
-                    self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches weights or moments
+                grad_norm = float(self.parallel.whole(
+                    torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.grad_clip)))
+                if self.skip_step(bad_micro_batch, grad_norm, batch, f"iteration {iteration}, optimizer step "
+                                  f"{steps + skipped + 1}"):
                     skipped += 1
                     continue
-                for key, value in micro_totals.items():
-                    totals[key] += value
-                step_totals["grad_norm"] += float(grad_norm)
-                step_totals["lr"] += self.scheduler.get_last_lr()[0]
+                add_into(totals, micro_totals)
+                add_into(step_totals, {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]})
                 self.optimizer.step()
                 self.scheduler.step()
                 steps += 1
         self.policy.eval()
         self.reshard()
-        # Every rank's share of the micro-batch stats, summed: the whole batch's (on the batch's device: NCCL reduces
-        # only GPU tensors).
+        stats = {k: v / max(steps, 1) for k, v in {**self.summed_over_ranks(totals, batch), **step_totals}.items()}
+        return {**stats, **sampler_gap(batch), "optimizer_steps": steps, "guard_skipped_steps": skipped, **probed}
+
+    def accumulate(self, mini: PreparedBatch, probe: GradientProbe | None) -> tuple[dict[str, float], int | None]:
+        """Forward and backward of this rank's micro-batches of one mini-batch into fresh .grad (each weighted by its
+        share of the mini-batch mean); returns their summed stats and the index of this rank's first micro-batch with
+        a non-finite loss (None when all are finite)."""
+        parallel = self.parallel
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_rows = self.micro_rows(mini)  # the accumulated gradient is the same sum in any grouping
+        shares = micro_batch_shares(mini.loss_mask, micro_rows, self.train.aggregation)
+        mine = list(zip(self.my_share(micro_rows), self.my_share(shares), strict=True))
+        totals: dict[str, float] = defaultdict(float)
+        bad_micro_batch = None
+        for i, (rows, weight) in enumerate(mine):
+            if weight == 0.0 and not parallel.lockstep:  # DDP/FSDP need every rank's backward passes
+                continue
+            with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
+                micro_stats = self.micro_loss(mini.select(rows), weight, probe)
+            if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
+                bad_micro_batch = parallel.rank + i * parallel.world_size
+            add_into(totals, micro_stats)
+        return totals, bad_micro_batch
+
+    def skip_step(self, bad_micro_batch: int | None, grad_norm: float, batch: PreparedBatch, where: str) -> bool:
+        """The guard's call on this step (every rank agrees); a skipped step's gradient is dropped, so nothing of it
+        reaches weights, moments or schedule."""
+        if self.step_guard is None:
+            return False
+        bad = self.parallel.first_bad_micro_batch(bad_micro_batch, batch.loss_mask.device)
+        if not self.step_guard.skip(bad, grad_norm, where):
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def summed_over_ranks(self, totals: dict[str, float], batch: PreparedBatch) -> dict[str, float]:
+        """Every rank's share of the micro-batch stats, summed: the whole batch's (on the batch's device: NCCL reduces
+        only GPU tensors)."""
         keys = sorted(totals)
         summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=batch.loss_mask.device)
-        parallel.sum(summed)
-        totals = dict(zip(keys, summed.tolist(), strict=True))
-        stats = {k: v / max(steps, 1) for k, v in {**totals, **step_totals}.items()}
-        mask = batch.loss_mask
-        gap = (batch.sampler_logprobs - batch.old_logprobs).abs()[mask]
-        stats["sampler_trainer_logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-        stats["sampler_trainer_logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-        stats["optimizer_steps"] = steps
-        stats["guard_skipped_steps"] = skipped
-        return {**stats, **probed}
+        self.parallel.sum(summed)
+        return dict(zip(keys, summed.tolist(), strict=True))

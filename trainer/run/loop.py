@@ -174,7 +174,7 @@ def resume_or_start(trainer: Trainer, resume: bool, init: Path | None) -> None:
     """Resume from the run's latest checkpoint, or start from `init`'s policy; both when given both: a LoRA run's
     checkpoints hold its adapters, and its frozen base is `init`'s again (otherwise the checkpoint overwrites it)."""
     if init is not None:
-        trainer.run.workers.init_from(init)
+        trainer.workers.init_from(init)
     if resume:
         path = latest_checkpoint(trainer.cfg.run_dir)
         if path is None:
