@@ -622,6 +622,33 @@ def compare(
 
 
 @app.command()
+def export(
+    source: Annotated[Path, typer.Argument(help="a run folder (its latest checkpoint) or a checkpoint folder")],
+    out: Annotated[Path, typer.Option(help="the Hugging Face model folder to write")],
+    anchor: Annotated[bool, typer.Option("--anchor", help="the run's EMA anchor (its KL reference) instead of its "
+                                         "policy")] = False,
+    base: Annotated[Path | None, typer.Option(help="LoRA runs: the full-weight checkpoint or run folder the run "
+                                              "started from (its `train --init`), when it is neither the run's "
+                                              "model nor found beside the run")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty --out")] = False,
+) -> None:
+    """Write a checkpoint's policy (or EMA anchor) as a plain Hugging Face model folder (safetensors, config,
+    tokenizer, generation config, a model card with the run's method, config and held-out EM) that transformers,
+    vLLM and the Hub load as it is; LoRA adapters are merged into the base weights."""
+    from emapg.export import CheckpointError, ExportError
+    from emapg.export import export as export_model
+
+    try:
+        exported = export_model(source, out, anchor=anchor, base=base, overwrite=overwrite)
+    except (CheckpointError, ExportError) as e:
+        _fail(str(e))
+    held_out = f"held-out EM from {exported.evaluation}" if exported.evaluation else "held-out EM: not evaluated"
+    console.print(f"wrote the {exported.which} of {exported.checkpoint} (iteration {exported.iteration}) to "
+                  f"{exported.folder}" + (f", LoRA merged on {exported.lora_base}" if exported.lora_base else "")
+                  + f"; {held_out}")
+
+
+@app.command()
 def view(
     run_dirs: Annotated[list[Path], typer.Argument(help="run folders (a demo's, a comparison's, an evaluation's)")],
     host: Annotated[str, typer.Option(help="bind address; the page serves the runs' files to whoever reaches it")] = (
