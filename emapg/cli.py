@@ -548,7 +548,7 @@ def train(
             try:
                 trainer.run(progress=print_iteration)
             except GuardError as e:
-                _fail(f"{e} (events: {trainer.run.guard.events_path})")
+                _fail(f"{e} (events: {trainer.guard.events_path})")
         finally:
             close()
     console.print("\n".join(events_markdown(cfg.run_dir)))

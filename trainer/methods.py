@@ -55,6 +55,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
+# Each study's arms, in its plan's order (docs/study_two_hop_plan.md, docs/study_stability_plan.md): the experiments,
+# their analyses and the Makefile's study targets read them from here (tests/test_methods.py checks the Makefile).
+STUDIES: dict[str, tuple[str, ...]] = {
+    "two-hop": ("GRPO-floor", "GRPO-k3c", "EMA-k3c", "EMA-PG", "EMA-PG-released"),
+    "stability": ("GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG"),
+}
+
+
 def chosen_methods(spec: str) -> list[Method]:
     """The methods named in a comma-separated list (any case), in the table's order."""
     canonical = {name.lower(): name for name in METHODS}

@@ -32,9 +32,10 @@ import numpy as np
 import typer
 
 from eval.seed_stats import format_p, holm, paired_seeds
+from trainer.methods import STUDIES
 
 PRIMARY = ("EMA-PG", "GRPO-k3c", 3e-3)
-ARMS = ("GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG")
+ARMS = STUDIES["stability"]
 RATES = (2e-3, 3e-3, 5e-3)
 PAIRS = (("EMA-PG", "EMA-k3c"), ("EMA-k3c", "GRPO-k3c"), ("EMA-PG", "GRPO-floor"))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from trainer.config import Section  # extra keys forbidden: a typo is an error, as in a training config
-from trainer.methods import METHODS
+from trainer.methods import METHODS, STUDIES
 
 
 class KBSection(Section):
@@ -129,7 +129,7 @@ TOY = {
 # four arms, no KL-gradient-variance diagnostic (not among its outcomes); the seeds and SFT start come per block.
 STABILITY = {
     "diagnostic": {"kl_gradient": False},
-    "sweep": {"methods": ["GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG"], "lrs": [2e-3, 3e-3, 5e-3],
+    "sweep": {"methods": list(STUDIES["stability"]), "lrs": [2e-3, 3e-3, 5e-3],
               "betas": [0.1], "lr_at": 3e-3, "beta_at": 0.1},
 }
 PRESETS = {"study": {}, "toy": TOY, "stability": STABILITY}

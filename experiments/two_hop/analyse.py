@@ -41,13 +41,14 @@ from eval.report import EvalReport
 from eval.seed_report import PLAN_FILE, read_plan
 from eval.seed_stats import format_p, mean_interval, paired_seeds
 from experiments.two_hop.calibrate import mean_share
+from trainer.methods import STUDIES
 from trainer.run.metrics_log import read_metrics
 
 app = typer.Typer(add_completion=False)
 
 NAME = "two-hop"  # configs/two_hop.yaml's name: the compare run folder is <out>/<NAME>
 CONFIG = Path("configs/two_hop.yaml")
-ARMS = ("GRPO-floor", "GRPO-k3c", "EMA-k3c", "EMA-PG", "EMA-PG-released")  # the plan's arms, in its order
+ARMS = STUDIES["two-hop"]  # the plan's arms, in its order
 SFT = "SFT"
 DATASET, MODE = "kb-2hop", "agent"  # the evaluation set kb-2hop:test, as eval/harness.py names its files
 TWO_HOP = "birth_country"  # experiments/mechanism/kb.py's two-hop kind

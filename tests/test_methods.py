@@ -1,0 +1,34 @@
+"""trainer/methods.py is the one table of arms: every study's arms are methods of it, and the Makefile's study
+targets run exactly the arms its studies name (in their plan's order)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trainer.config import load_config
+from trainer.methods import METHODS, STUDIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_studys_arms_are_methods_and_make_a_valid_config():
+    base = load_config(overrides=[])
+    for study, arms in STUDIES.items():
+        assert len(set(arms)) == len(arms), study
+        for arm in arms:
+            METHODS[arm].config(base)  # validated again: a method whose keys the config refuses fails here
+
+
+def test_the_makefiles_two_hop_target_runs_the_two_hop_studys_arms():
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile[makefile.index("\ntwo-hop: setup"):]
+    methods = re.search(r"--methods (\S+)", target).group(1)
+    assert tuple(methods.split(",")) == STUDIES["two-hop"]
+
+
+def test_the_stability_preset_and_analysis_read_the_stability_studys_arms():
+    from experiments.mechanism.stability import ARMS
+    from experiments.mechanism.sweep import study_config
+
+    assert tuple(study_config("stability").sweep.methods) == ARMS == STUDIES["stability"]
