@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, get_args
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from agent.settings import Mode, RolloutSettings
 from emapg.workflow import ARTIFACTS
-from agent.settings import installed_rollout_backend
+from trainer.config import RetrieverConfig
 
 app = typer.Typer(help="EMA-PG search agents: retrieval service, rollouts, training, evaluation.", no_args_is_help=True)
 console = Console()
@@ -31,6 +32,23 @@ def _log_to(folder: Path) -> None:
 def _fail(message: str, to: Console = console) -> NoReturn:
     to.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(2)
+
+
+def _default(settings: type, name: str):
+    """A typed settings field's default: the CLI shows and uses it, and never keeps a copy of its own."""
+    return settings.model_fields[name].default
+
+
+def _settings(settings: type, options: dict):
+    """`settings` validated from CLI options (those left None take the model's own defaults); a refused value fails
+    naming its option (--max-turns), with pydantic's reason."""
+    from pydantic import ValidationError
+
+    try:
+        return settings(**{name: value for name, value in options.items() if value is not None})
+    except ValidationError as e:
+        error = e.errors()[0]
+        _fail(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}")
 
 
 @app.callback()
@@ -350,14 +368,15 @@ def eval_command(
     retriever_url: Annotated[list[str] | None, typer.Option(help="a running retriever (repeat it for replicas of one "
                                                       "index); default: start one on --index")] = None,
     index_dir: Annotated[Path, typer.Option("--index", help="index to serve when no --retriever-url")] = DEFAULT_INDEX,
-    max_turns: Annotated[int, typer.Option(min=0)] = 4,
-    max_tokens_per_turn: Annotated[int, typer.Option(min=1)] = 500,
-    max_obs_tokens: Annotated[int, typer.Option(min=1)] = 500,
-    topk: Annotated[int, typer.Option(min=1)] = 3,
-    max_in_flight: Annotated[int, typer.Option(min=1, help="trajectories generating at once: a transformers batch, "
-                                               "or questions in flight on vLLM (rollout.max_in_flight)")] = 32,
-    backend: Annotated[str, typer.Option(help="rollout engine: vllm (continuous rollouts; the default where it is "
-                                         "installed) or transformers (the per-turn loop)")] = installed_rollout_backend(),
+    max_turns: Annotated[int, typer.Option(help="turns that may search")] = _default(RolloutSettings, "max_turns"),
+    max_tokens_per_turn: Annotated[int, typer.Option()] = _default(RolloutSettings, "max_tokens_per_turn"),
+    max_obs_tokens: Annotated[int, typer.Option()] = _default(RolloutSettings, "max_obs_tokens"),
+    topk: Annotated[int, typer.Option(help="documents per search")] = _default(RetrieverConfig, "topk"),
+    max_in_flight: Annotated[int, typer.Option(help="trajectories generating at once: a transformers batch, or "
+                                               "questions in flight on vLLM (rollout.max_in_flight)")] = _default(
+        RolloutSettings, "max_in_flight"),
+    backend: Annotated[str | None, typer.Option(help="rollout engine: vllm (continuous rollouts; the default where it "
+                                                "is installed) or transformers (the per-turn loop)")] = None,
     out: Annotated[Path, typer.Option(help="report folder")] = ARTIFACTS / "eval" / "latest",
     checkpoint: Annotated[Path | None, typer.Option(help="a training checkpoint (or run folder) whose policy weights "
                                                    "replace --model's")] = None,
@@ -369,12 +388,11 @@ def eval_command(
     arguments = {name: str(value) if isinstance(value, Path) else value for name, value in locals().items()}
     from pydantic import ValidationError
 
-    from agent.settings import RolloutSettings
     from emapg.session import open_session
     from emapg.workflow import answerable, load_datasets
     from retriever.client import retrieve_endpoints
     from trainer.run.checkpoint import CheckpointError, load_policy_weights
-    from trainer.config import RetrieverConfig, TrainConfig, WandbSection
+    from trainer.config import TrainConfig, WandbSection
     from trainer.run.wandb_logger import attach_reports
 
     try:
@@ -383,28 +401,26 @@ def eval_command(
         _fail(f"--wandb-mode: {e.errors()[0]['msg']}")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
-        if m not in ("direct", "rag", "agent"):
-            _fail(f"--modes: unknown mode {m!r} (direct, rag, agent)")
+        if m not in get_args(Mode):
+            _fail(f"--modes: unknown mode {m!r} ({', '.join(get_args(Mode))})")
     if subset not in ("answerable", "full"):
         _fail(f"--subset must be 'answerable' or 'full', got {subset!r}")
-    if backend not in ("vllm", "transformers"):
-        _fail(f"--backend must be 'vllm' or 'transformers', got {backend!r}")
     if retriever_url:
         try:
             retrieve_endpoints(retriever_url)
         except ValueError as e:
             _fail(f"--retriever-url: {e}")
+    rollout = _settings(RolloutSettings, {"max_turns": max_turns, "max_tokens_per_turn": max_tokens_per_turn,
+                                          "max_obs_tokens": max_obs_tokens, "max_in_flight": max_in_flight,
+                                          "backend": backend})
+    retriever = _settings(RetrieverConfig, {"url": retriever_url or None, "index": index_dir, "topk": topk})
     try:
         data = load_datasets([d.strip() for d in datasets.split(",") if d.strip()], split, flashrag_root)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         _fail(str(e))
     # The evaluation's whole configuration: the session opens what it names (a started server on --index without
     # --retriever-url; the policy only where it is sampled from in memory or carries a checkpoint).
-    cfg = TrainConfig(model=model, retriever=RetrieverConfig(url=retriever_url or None, index=index_dir, topk=topk,
-                                                             timeout_s=60),
-                      rollout=RolloutSettings(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
-                                              max_obs_tokens=max_obs_tokens, max_in_flight=max_in_flight,
-                                              backend=backend))
+    cfg = TrainConfig(model=model, retriever=retriever, rollout=rollout)
     _ensure_index(index_dir, retriever_url)  # after every option is checked: building the default takes minutes
     _log_to(out)
     with open_session(cfg) as session:
@@ -464,8 +480,6 @@ def _ensure_index(index_dir: Path, retriever_url=None, needs_retriever: bool = T
     any other missing index is an error."""
     if retriever_url or not needs_retriever or (index_dir / "manifest.json").exists():
         return
-    from trainer.config import RetrieverConfig
-
     if index_dir.resolve() not in (DEFAULT_INDEX.resolve(), RetrieverConfig().index.resolve()):
         _fail(f"no index at {index_dir} (no manifest.json): build it with `emapg index --out {index_dir}` or give a "
               "running retriever's URL")

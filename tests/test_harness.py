@@ -123,8 +123,15 @@ def test_eval_cli_names_bad_options(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["eval", "--wandb-mode", "cloud"])
     assert result.exit_code == 2 and "--wandb-mode: Input should be 'disabled', 'offline' or 'online'" in " ".join(
         result.output.split())
-    result = CliRunner().invoke(app, ["eval", "--backend", "tpu"])
-    assert result.exit_code == 2 and "--backend must be 'vllm' or 'transformers'" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["eval", "--backend", "tpu"])  # refused by RolloutSettings, named by option
+    assert result.exit_code == 2 and "--backend: Input should be 'transformers' or 'vllm'" in " ".join(
+        result.output.split())
+    result = CliRunner().invoke(app, ["eval", "--max-turns", "-1"])
+    assert result.exit_code == 2 and "--max-turns: Input should be greater than or equal to 0" in " ".join(
+        result.output.split())
+    result = CliRunner().invoke(app, ["eval", "--topk", "0"])  # RetrieverConfig's check
+    assert result.exit_code == 2 and "--topk: Input should be greater than or equal to 1" in " ".join(
+        result.output.split())
     result = CliRunner().invoke(app, ["eval", "--datasets", "squad", "--flashrag-root", "/nonexistent"])
     assert result.exit_code == 2 and "unknown FlashRAG dataset 'squad'" in " ".join(result.output.split())
     assert not (tmp_path / "artifacts").exists()  # refused before any index was built (it took minutes)
