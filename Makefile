@@ -44,6 +44,15 @@ $(STAMP): pyproject.toml Makefile
 	command -v docker-compose >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 	touch $(STAMP)
 
+# `docker compose up retriever` end to end (docker/compose-up-check.sh, docs/docker.md): a Docker daemon (dockerd started
+# if none answers; root), the base image (docker/base-image.sh from Debian's packages unless EMAPG_BASE_IMAGE names one,
+# e.g. python:3.11-slim), the retriever image from the working tree, up until healthy, a search through the published
+# port, /health, /metrics, then `compose down -v`. Exit 77: no daemon can run here (the reason is printed).
+.PHONY: compose-up-check
+compose-up-check:
+	command -v mmdebstrap >/dev/null || [ -n "$(EMAPG_BASE_IMAGE)" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
+	docker/compose-up-check.sh
+
 # pytest exits 5 when it collects no tests: that is a failure here, never a pass. Debian's chromium renders
 # `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).
 test: setup
