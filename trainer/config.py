@@ -64,6 +64,12 @@ class TrainSection(Section):
     rollouts_per_prompt: int = Field(5, ge=1)
     mini_batch_size: int = Field(256, ge=1)  # trajectories per optimizer step
     micro_batch_size: int = Field(8, ge=1)  # trajectories per forward/backward (gradient accumulation)
+    # Or micro-batches cut by tokens: > 0 packs each with rows of similar lengths up to this many tokens of decoder
+    # pass (rows x (prompt width + their longest response), less a shared prefix run once), so short trajectories
+    # go many to a pass and long ones few, with less padding; a row longer than this is a micro-batch of its own.
+    # micro_batch_size is then unused. The gradient is the same either way (accumulation weighs each micro-batch by
+    # its tokens or sequences). 0: micro_batch_size rows each.
+    micro_batch_tokens: int = Field(0, ge=0)
     ppo_epochs: int = Field(1, ge=1)
     lr: float = Field(1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)

@@ -159,3 +159,118 @@ def scatter_tokens(values: Tensor, mask: Tensor) -> Tensor:
     out = values.new_zeros((*mask.shape, *values.shape[1:]))
     out[mask] = values
     return out
+
+
+# Micro-batches cut by tokens (train.micro_batch_tokens): what a pass runs, not how many rows it holds.
+#
+# Padding-free packing would go further: rows concatenated into one row, each restarting its positions, attention
+# kept within each row by flash-attn's varlen kernel (cu_seqlens; transformers' packed position_ids under
+# attn_implementation="flash_attention_2"), so a pass runs the real tokens alone and the budget counts those. That
+# pass belongs in trainer.learner.logprobs.decoder_states (a packed layout beside this padded one, chosen where the
+# attention implementation supports it) and `pass_tokens` would count it. It is not implemented: torch's SDPA and
+# eager attention (CPU, and GPUs without flash-attn) have no varlen kernel, and nothing here needs one.
+
+
+def pass_tokens(mb: RolloutBatch, share_prefix: bool = False) -> tuple[int, int]:
+    """(tokens, of which padding) that the decoder runs for the micro-batch `mb` (as `select` cut it): rows x its
+    width, or with `share_prefix` its shared columns once (`shared_prefix_width`) and each row's rest, as
+    trainer.learner.logprobs.decoder_states runs it."""
+    rows, width = mb.input_ids.shape
+    shared = shared_prefix_width(mb) if share_prefix and rows > 1 else 0
+    tokens = shared + rows * (width - shared)
+    real = int(mb.attention_mask[0, :shared].sum()) + int(mb.attention_mask[:, shared:].sum())
+    return tokens, tokens - real
+
+
+def length_prefix_order(batch: RolloutBatch) -> Tensor:
+    """The rows as a walk of their prefix tree (rows sharing a prefix stay side by side, as in `prefix_order`), each
+    node's branches taken shortest first (by their longest response): neighbours share prefixes and have similar
+    lengths, so runs of this order pad little. The branches of a node are the runs of the lexicographic order
+    split where the neighbours' common prefix is shortest."""
+    order = prefix_order(batch)
+    n = len(order)
+    ids, mask = batch.input_ids[order], batch.attention_mask[order]
+    common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()
+    lengths = batch.response_lengths()[order].tolist()
+    walk, stack = [], [(0, n)] if n else []
+    while stack:
+        lo, hi = stack.pop()
+        if hi - lo == 1:
+            walk.append(lo)
+            continue
+        depth = min(common[lo : hi - 1])
+        cuts = [lo, *(i + 1 for i in range(lo, hi - 1) if common[i] == depth), hi]
+        branches = sorted(zip(cuts, cuts[1:]), key=lambda b: max(lengths[b[0] : b[1]]))  # stable: ties lexicographic
+        stack.extend(reversed(branches))
+    return order[torch.tensor(walk, dtype=torch.long)]
+
+
+def token_budget_micro_batches(batch: RolloutBatch, budget: int, share_prefix: bool = False) -> list[Tensor]:
+    """Micro-batches whose decoder pass runs at most `budget` tokens (`pass_tokens`: rows x (prompt width + their
+    longest response), less a shared prefix run once with `share_prefix`); a row longer than the budget is a
+    micro-batch of its own. `prefix_micro_batches`' dynamic programme with the budget in place of its row count:
+    runs of an order, chosen to minimise the tokens the decoder runs plus one mean row per pass (`pass_cost`), so
+    rows of similar lengths go together and a pass is split off where that saves more padding than a row. Short
+    rows go many to a pass, long ones few. The order: rows by response length; with `share_prefix` also
+    `length_prefix_order` (prefixes together, shortest branches first), and whichever splits cheaper (sharing a
+    ~150-token prompt saves less than grouping rollouts of very different lengths pads, unless they share more).
+
+    A run's cost only grows as it takes in rows (more rows, a width no smaller, a shared prefix no longer), so each
+    run end tries starts back until the budget is spent: O(rows x rows per pass) per order."""
+    if budget < 1:
+        raise ValueError(f"a token budget must be >= 1, got {budget}")
+    overhead = batch.prompt_width + float(batch.response_lengths().float().mean()) if len(batch) else 0.0
+    orders = [length_prefix_order(batch)] if share_prefix else []
+    orders.append(batch.response_lengths().argsort(stable=True))
+    return min((budget_runs(batch, order, budget, share_prefix, overhead) for order in orders),
+               key=lambda split: split[0])[1]
+
+
+def budget_runs(batch: RolloutBatch, order: Tensor, budget: int, share_prefix: bool,
+                overhead: float) -> tuple[float, list[Tensor]]:
+    """The cheapest split of `order` into runs within `budget` (`token_budget_micro_batches`) and its cost: the sum
+    of the runs' `pass_cost` (`overhead` per pass)."""
+    n, prompt = len(order), batch.prompt_width
+    lengths = batch.response_lengths()[order].tolist()
+    common = left_pad = None
+    if share_prefix and n > 1:
+        ids, mask = batch.input_ids[order], batch.attention_mask[order]
+        common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()
+        left_pad = (mask.cumsum(1) == 0).sum(1).tolist()
+    best, start = [0.0] + [math.inf] * n, [0] * (n + 1)  # best[j]: the cheapest split of the first j rows
+    for end in range(1, n + 1):
+        shared, longest = math.inf, 0
+        for first in range(end - 1, -1, -1):  # the run first .. end - 1
+            rows = end - first
+            longest = max(longest, lengths[first])
+            width = prompt + max(longest, 1)
+            s = 0
+            if common is not None and rows > 1:
+                shared = min(shared, common[first])
+                s = min(shared, width - 1)
+                if s <= left_pad[first]:
+                    s = 0  # padding alone: nothing shared (shared_prefix_width)
+            if rows > 1 and s + rows * (width - s) > budget:
+                break  # and so would every longer run
+            cost = best[first] + pass_cost(rows, width, s, overhead)
+            if cost < best[end]:
+                best[end], start[end] = cost, first
+    runs, end = [], n
+    while end:
+        runs.append(order[start[end] : end])
+        end = start[end]
+    return best[n], runs[::-1]
+
+
+def split_for_ranks(runs: list[Tensor], world_size: int) -> list[Tensor]:
+    """`runs` with the ones of most rows halved until their number is a multiple of `world_size`, so that every
+    data-parallel rank runs as many passes (FSDP's ranks gather weights together); a part of a run stays within
+    the run's budget. Unchanged in one process, or where no run has two rows left to split."""
+    runs = list(runs)
+    while len(runs) % world_size:
+        i = max(range(len(runs)), key=lambda j: len(runs[j]))
+        if len(runs[i]) < 2:
+            break
+        half = (len(runs[i]) + 1) // 2
+        runs[i : i + 1] = [runs[i][:half], runs[i][half:]]
+    return runs
