@@ -160,3 +160,44 @@ def local_engine(cfg, policy, tokenizer, backend=None, retriever=None):
     backend = backend or open_backend(cfg.rollout, cfg.model, tokenizer, policy, dtype=cfg.dtype, seed=cfg.seed)
     agent = make_agent(backend, tokenizer, retriever, cfg.rollout, retriever_timeout_s=cfg.retriever.timeout_s)
     return LocalWorkers(cfg, policy, backend, agent)
+
+
+# Markers that say what a test starts, so the edit loop can leave those out (`make test-fast`). They are read off
+# what the test (and every fixture it uses) calls, not declared by hand: a test that starts a server is marked however
+# it was written. `make test` runs every test whatever its markers.
+STARTS = {
+    "server": ("server_url", "running_server(", "start_server(", "viewer_url", "serve_in_thread", "\"serve\"",
+               "'serve'", "\"view\", str("),
+    "engine": ("vllm", "VLLM", "start_ray", "ray.init", "RayWorkers", "RolloutWorker", "mechanism.run",
+               "init_process_group"),
+    "browser": ("chromium", "page(viewer_url"),
+}
+
+
+def _sources(item) -> str:
+    import inspect
+
+    functions = [getattr(item, "function", None)]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        functions += [d.func for d in defs]
+    texts = []
+    for fn in functions:
+        try:
+            texts.append(inspect.getsource(fn))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(texts)
+
+
+def pytest_configure(config):
+    for name, about in (("server", "starts a retrieval or viewer server"), ("engine", "starts vLLM, Ray or a "
+                        "process group"), ("browser", "renders a page in headless Chromium")):
+        config.addinivalue_line("markers", f"{name}: {about} (set by tests/conftest.py from what the test calls)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        source = _sources(item)
+        for marker, signals in STARTS.items():
+            if any(signal in source for signal in signals):
+                item.add_marker(marker)

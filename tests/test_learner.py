@@ -346,9 +346,11 @@ PASS_ESTIMATORS = [("topk", "reverse", 1, "policy"), ("topk", "forward", 1, "anc
 @pytest.mark.parametrize(("estimator", "direction", "anchor_passes", "topk_of"), PASS_ESTIMATORS)
 def test_prepare_runs_only_the_passes_its_estimator_reads(tiny_model, tokenizer, monkeypatch, estimator, direction,
                                                           anchor_passes, topk_of):
-    """Per micro-batch: one policy pass, one anchor pass only where the estimator reads the anchor in prepare (not
-    the exact KL, whose update pass reads it, nor with the KL off), and Top-k only for the Top-k estimators; the
-    PreparedBatch holds nothing else. Counted by forward hooks on each decoder and a spy on the LM-head statistics."""
+    """Per micro-batch: one policy pass (none when the update is strictly on-policy and the estimator needs no
+    pi_old top-k: the update's own forward is pi_old), one anchor pass only where the estimator reads the anchor in
+    prepare (not the exact KL, whose update pass reads it, nor with the KL off), and Top-k only for the Top-k
+    estimators; the PreparedBatch holds nothing else. Counted by forward hooks on each decoder and a spy on the
+    LM-head statistics."""
     import trainer.learner.logprobs
 
     model = copy.deepcopy(tiny_model)
@@ -366,7 +368,9 @@ def test_prepare_runs_only_the_passes_its_estimator_reads(tiny_model, tokenizer,
     monkeypatch.setattr(trainer.learner.logprobs, "token_logprobs", spy)
     batch = learner.prepare(collate(ragged_trajectories(len(tokenizer)), torch.zeros(6), tokenizer.pad_token_id))
     micro = 3  # 6 rows, 2 per micro-batch
-    assert passes.count("policy") == micro and passes.count("anchor") == anchor_passes * micro
+    policy_passes = 0 if learner.pi_old_from_update(batch) else micro  # one mini-batch of 6, one epoch: on-policy
+    assert policy_passes == (micro if topk_of == "policy" else 0)
+    assert passes.count("policy") == policy_passes and passes.count("anchor") == anchor_passes * micro
     assert topk_requests == ([topk_of] * micro if topk_of else [])
     assert (batch.topk_ids is None) == (batch.ref_topk_logprobs is None) == (topk_of is None)
     assert (batch.ref_token_logprob is None) == (anchor_passes == 0)

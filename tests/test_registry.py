@@ -76,6 +76,11 @@ def test_a_name_is_registered_once():
     assert KL_ESTIMATORS.get("k3").fn is not squared_log_ratio
 
 
+def in_fresh_process(code: str):
+    """What `code` prints as JSON, run in a new interpreter (nothing of this test process imported)."""
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
 def test_each_module_registers_exactly_the_names_its_registry_declares():
     """In a fresh interpreter: the names declared before any algorithm module is imported, against what importing
     trainer.kl, trainer.advantages and trainer.policy_loss registers (with the same KLReads: a mismatch fails the
@@ -89,8 +94,7 @@ def test_each_module_registers_exactly_the_names_its_registry_declares():
         "    importlib.import_module(t.defined_in)\n"
         "print(json.dumps([declared, [list(t.entries) for t in tables]]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    declared, registered = json.loads(out.stdout)
+    declared, registered = in_fresh_process(code)
     assert declared == registered
 
 
@@ -110,18 +114,15 @@ def test_a_lookup_imports_the_defining_module_and_a_declared_name_it_lacks_says_
 def test_every_registry_resolves_its_entries_in_a_fresh_process_that_imported_only_the_registry():
     """The bug of issue 44: `ADVANTAGE_ESTIMATORS.get("grpo")` failed in any process that had not imported
     trainer.advantages (the viewer's); a lookup now imports it. Validating a config still imports no torch."""
-    code = (
+    torch_after_config, found = in_fresh_process(
         "import json, sys\n"
         "from trainer.config import load_config\n"
         "load_config(overrides=['kl.estimator=k3'])\n"
         "torch_after_config = 'torch' in sys.modules\n"
         "from trainer import registry\n"
-        "found = [registry.ADVANTAGE_ESTIMATORS.get('grpo').__name__, registry.KL_ESTIMATORS.get('k3').fn.__name__,\n"
-        "         registry.LOSS_AGGREGATIONS.get('token-mean').reduce.__name__]\n"
-        "print(json.dumps([torch_after_config, found]))\n"
+        "print(json.dumps([torch_after_config, [registry.ADVANTAGE_ESTIMATORS.get('grpo').__name__,\n"
+        "    registry.KL_ESTIMATORS.get('k3').fn.__name__, registry.LOSS_AGGREGATIONS.get('token-mean').reduce.__name__]]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    torch_after_config, found = json.loads(out.stdout)
     assert torch_after_config is False and all(found)
 
 

@@ -102,6 +102,11 @@ class TrainSection(Section):
     # optimizer step of iterations 1, 1 + N, 1 + 2N, ...; it costs one backward of the KL term alone per micro-batch of
     # that step. 10 keeps it near 4% of a one-mini-batch iteration (docs/metrics.md); 1 for a study; 0 off.
     grad_probe_every: int = Field(10, ge=0)
+    # Truncated importance sampling between the rollout engine's log-probs and pi_old (trainer/rollout_correction.py):
+    # each token's policy-gradient term weighted by min(pi_old / q, cap). None: off (the paper's and the authors'
+    # setting; the CPU engines' fp32 gap is ~1e-3 nats). On for bf16 engines on GPUs, e.g. 2.0 (verl's default cap).
+    tis_cap: float | None = Field(None, gt=0)
+    tis_level: Literal["token", "sequence"] = "token"
 
     @field_validator("aggregation")
     @classmethod

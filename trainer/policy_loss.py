@@ -64,12 +64,15 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     aggregation: str = "token-mean",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip loss over (N, T) token tensors; returns (scalar loss, detached stats).
 
     logprob:     log pi_theta of each sampled token (carries the gradient)
     old_logprob: log pi_old, the sampling policy's log-prob (no gradient)
     advantages:  per-token advantages (N, T), e.g. `broadcast_to_tokens(grpo_advantages(...), loss_mask)`
+    token_weights: detached (N, T) weights on each token's loss before aggregation (truncated importance sampling,
+                 trainer/rollout_correction.py); None: all 1
     stats (token-means over the mask, whatever `aggregation` is):
       clip_fraction: share of tokens where the clipped term is the active one (its gradient is 0 there)
       approx_kl_old: mean of old_logprob - logprob (k1 estimate of KL(pi_old || pi_theta))
@@ -84,6 +87,8 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token_loss = torch.maximum(unclipped, clipped)  # pessimistic bound: take the worse of the two
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.detach()
     loss = masked_mean(per_token_loss, mask, aggregation)
 
     with torch.no_grad():

@@ -4,8 +4,8 @@ passes over a batch (hidden states, logits, log-prob statistics, mixed precision
 Layout: prompts left-padded to width P, responses right-padded to width T, so response token j of every row sits at
 column P + j and is predicted by the logits at column P + j - 1 (each tensor field declares its columns: `columns`).
 The learner slices the decoder's hidden states to those T columns (to its model tokens, in fact) before the LM head:
-the prompt's V-wide logits are never built, and with chunking (trainer.learner.logprobs) neither are all of the response's at
-once.
+the prompt's V-wide logits are never built, and with chunking (trainer.learner.logprobs) neither are all of the
+response's at once.
 """
 
 from __future__ import annotations
@@ -122,35 +122,55 @@ def pass_cost(rows: int, width: int, shared: int, overhead: float) -> float:
 
 def prefix_micro_batches(batch: RolloutBatch, size: int) -> list[Tensor]:
     """Micro-batches of at most `size` rows, runs of `prefix_order`, chosen to minimise the token rows the decoder
-    runs (`pass_cost`, one mean row of overhead per pass): dynamic programming over where each run ends. A run's
-    shared width is what `shared_prefix_width` finds for it (the smallest common prefix of neighbours in the
-    order); its width is the prompt's plus its longest response (`select` cuts it there)."""
-    order = prefix_order(batch)
-    n = len(order)
+    runs (`pass_cost`, one mean row of overhead per pass): `cheapest_runs` with a row limit. A run's shared width is
+    what `shared_prefix_width` finds for it (the smallest common prefix of neighbours in the order); its width is the
+    prompt's plus its longest response (`select` cuts it there)."""
+    lengths = batch.response_lengths()
+    overhead = batch.prompt_width + float(lengths.sum()) / max(len(batch), 1)
+    return cheapest_runs(batch, prefix_order(batch), overhead, share_prefix=True, max_rows=size)[1]
+
+
+def neighbour_prefixes(batch: RolloutBatch, order: Tensor) -> tuple[list[int], list[int]]:
+    """For rows in `order`: the common prefix (columns of equal ids and mask) of each row with the next, and each
+    row's leading padding columns (as lists: no device reads in the loops that use them)."""
     ids, mask = batch.input_ids[order], batch.attention_mask[order]
+    common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()
+    return common, (mask.cumsum(1) == 0).sum(1).tolist()
+
+
+def cheapest_runs(batch: RolloutBatch, order: Tensor, overhead: float, share_prefix: bool, max_rows: int | None = None,
+                  budget: int | None = None) -> tuple[float, list[Tensor]]:
+    """The cheapest split of `order` into runs (micro-batches) and its cost, the sum of the runs' `pass_cost`:
+    dynamic programming over where each run ends. A run holds at most `max_rows` rows and, with a `budget`, runs at
+    most that many decoder tokens (a single row over it is a run of its own). With `share_prefix`, a run's shared
+    width is the smallest common prefix of neighbours in it (0 where that is padding alone: `shared_prefix_width`).
+    A run's cost only grows as it takes in rows (a width no smaller, a shared prefix no longer), so each run end
+    tries starts back until a limit is reached: O(rows x rows per pass)."""
+    n, prompt = len(order), batch.prompt_width
     lengths = batch.response_lengths()[order].tolist()
-    common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()  # neighbours'
-    left_pad = (mask.cumsum(1) == 0).sum(1).tolist()  # each row's leading padding columns (as lists: no device reads)
-    overhead = batch.prompt_width + sum(lengths) / max(n, 1)
+    common, left_pad = neighbour_prefixes(batch, order) if share_prefix and n > 1 else (None, None)
     best, start = [0.0] + [math.inf] * n, [0] * (n + 1)  # best[j]: the cheapest split of the first j rows
     for end in range(1, n + 1):
         shared, longest = math.inf, 0
-        for first in range(end - 1, max(end - size, 0) - 1, -1):  # the run first .. end - 1
+        for first in range(end - 1, -1, -1):  # the run first .. end - 1
+            rows = end - first
             longest = max(longest, lengths[first])
-            width = batch.prompt_width + max(longest, 1)
-            if first < end - 1:
+            width = prompt + max(longest, 1)
+            if common is not None and rows > 1:
                 shared = min(shared, common[first])
-            s = 0 if first == end - 1 else min(shared, width - 1)
-            if s <= left_pad[first]:
-                s = 0  # padding alone: nothing shared (shared_prefix_width)
-            cost = best[first] + pass_cost(end - first, width, s, overhead)
+            s = 0 if common is None or rows == 1 else min(shared, width - 1)
+            s = 0 if s and s <= left_pad[first] else s  # padding alone: nothing shared
+            if (max_rows is not None and rows > max_rows) or (
+                    budget is not None and rows > 1 and s + rows * (width - s) > budget):
+                break  # and so would every longer run
+            cost = best[first] + pass_cost(rows, width, s, overhead)
             if cost < best[end]:
                 best[end], start[end] = cost, first
     runs, end = [], n
     while end:
         runs.append(order[start[end] : end])
         end = start[end]
-    return runs[::-1]
+    return best[n], runs[::-1]
 
 
 def scatter_tokens(values: Tensor, mask: Tensor) -> Tensor:
@@ -189,8 +209,7 @@ def length_prefix_order(batch: RolloutBatch) -> Tensor:
     split where the neighbours' common prefix is shortest."""
     order = prefix_order(batch)
     n = len(order)
-    ids, mask = batch.input_ids[order], batch.attention_mask[order]
-    common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()
+    common = neighbour_prefixes(batch, order)[0]
     lengths = batch.response_lengths()[order].tolist()
     walk, stack = [], [(0, n)] if n else []
     while stack:
@@ -208,7 +227,7 @@ def length_prefix_order(batch: RolloutBatch) -> Tensor:
 def token_budget_micro_batches(batch: RolloutBatch, budget: int, share_prefix: bool = False) -> list[Tensor]:
     """Micro-batches whose decoder pass runs at most `budget` tokens (`pass_tokens`: rows x (prompt width + their
     longest response), less a shared prefix run once with `share_prefix`); a row longer than the budget is a
-    micro-batch of its own. `prefix_micro_batches`' dynamic programme with the budget in place of its row count:
+    micro-batch of its own. `cheapest_runs` with the budget in place of a row count:
     runs of an order, chosen to minimise the tokens the decoder runs plus one mean row per pass (`pass_cost`), so
     rows of similar lengths go together and a pass is split off where that saves more padding than a row. Short
     rows go many to a pass, long ones few. The order: rows by response length; with `share_prefix` also
@@ -222,44 +241,8 @@ def token_budget_micro_batches(batch: RolloutBatch, budget: int, share_prefix: b
     overhead = batch.prompt_width + float(batch.response_lengths().float().mean()) if len(batch) else 0.0
     orders = [length_prefix_order(batch)] if share_prefix else []
     orders.append(batch.response_lengths().argsort(stable=True))
-    return min((budget_runs(batch, order, budget, share_prefix, overhead) for order in orders),
+    return min((cheapest_runs(batch, order, overhead, share_prefix, budget=budget) for order in orders),
                key=lambda split: split[0])[1]
-
-
-def budget_runs(batch: RolloutBatch, order: Tensor, budget: int, share_prefix: bool,
-                overhead: float) -> tuple[float, list[Tensor]]:
-    """The cheapest split of `order` into runs within `budget` (`token_budget_micro_batches`) and its cost: the sum
-    of the runs' `pass_cost` (`overhead` per pass)."""
-    n, prompt = len(order), batch.prompt_width
-    lengths = batch.response_lengths()[order].tolist()
-    common = left_pad = None
-    if share_prefix and n > 1:
-        ids, mask = batch.input_ids[order], batch.attention_mask[order]
-        common = ((ids[1:] == ids[:-1]) & (mask[1:] == mask[:-1])).long().cumprod(1).sum(1).tolist()
-        left_pad = (mask.cumsum(1) == 0).sum(1).tolist()
-    best, start = [0.0] + [math.inf] * n, [0] * (n + 1)  # best[j]: the cheapest split of the first j rows
-    for end in range(1, n + 1):
-        shared, longest = math.inf, 0
-        for first in range(end - 1, -1, -1):  # the run first .. end - 1
-            rows = end - first
-            longest = max(longest, lengths[first])
-            width = prompt + max(longest, 1)
-            s = 0
-            if common is not None and rows > 1:
-                shared = min(shared, common[first])
-                s = min(shared, width - 1)
-                if s <= left_pad[first]:
-                    s = 0  # padding alone: nothing shared (shared_prefix_width)
-            if rows > 1 and s + rows * (width - s) > budget:
-                break  # and so would every longer run
-            cost = best[first] + pass_cost(rows, width, s, overhead)
-            if cost < best[end]:
-                best[end], start[end] = cost, first
-    runs, end = [], n
-    while end:
-        runs.append(order[start[end] : end])
-        end = start[end]
-    return best[n], runs[::-1]
 
 
 def split_for_ranks(runs: list[Tensor], world_size: int) -> list[Tensor]:

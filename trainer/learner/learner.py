@@ -1,10 +1,11 @@
 """The learner: one EMA-PG update from a batch of scored trajectories.
 
-    prepare:  pi_old log-probs from the policy (no grad) and what the KL estimator reads of the anchor (its
-              `KLReads`): its log-prob at the token ("token"), also at pi_old's or its own top-k ids ("topk"),
-              nothing ("exact", and the KL off): a new PreparedBatch (the RolloutBatch is left as it was)
+    prepare:  pi_old log-probs from the policy (no grad; on a strictly on-policy update the update's own forward gives
+              them instead: `pi_old_from_update`) and what the KL estimator reads of the anchor (its `KLReads`):
+              its log-prob at the token ("token"), also at pi_old's or its own top-k ids ("topk"), nothing
+              ("exact", and the KL off): a new PreparedBatch (the RolloutBatch is left as it was)
     update:   PPO epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation)
-              loss = PPO-clip(A) + beta * KL(policy, anchor) - entropy_coef * entropy, all over loss_mask
+              loss = PPO-clip(A) [x TIS weights] + beta * KL(policy, anchor) - entropy_coef * entropy, over loss_mask
               a step with a non-finite micro-batch loss or gradient norm is skipped whole (trainer.run.guard)
     then the caller applies the EMA anchor update on its period.
 
@@ -16,23 +17,30 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 from torch import Tensor
 
 from trainer.advantages import broadcast_to_tokens
-from trainer.learner.batch import PreparedBatch, RolloutBatch, prefix_micro_batches, scatter_tokens
 from trainer.config import KL_OFF, GuardSection, KLSection, TrainSection
-from trainer.learner.data_parallel import data_parallel
 from trainer.ema import EmaAnchor, LoraEmaAnchor
-from trainer.learner.logprobs import ResponseLogprobs, autocast
 from trainer.gradient_probe import GradientProbe
-from trainer.run.guard import StepGuard
 from trainer.kl import KLInputs
-from trainer.learner.logprobs import TokenLogprobs
+from trainer.learner.batch import (
+    PreparedBatch,
+    RolloutBatch,
+    prefix_micro_batches,
+    scatter_tokens,
+    split_for_ranks,
+    token_budget_micro_batches,
+)
+from trainer.learner.data_parallel import data_parallel
+from trainer.learner.logprobs import ResponseLogprobs, TokenLogprobs, autocast
 from trainer.policy_loss import masked_mean, ppo_clip_loss
 from trainer.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from trainer.rollout_correction import truncated_is_weights
+from trainer.run.guard import StepGuard
 
 
 def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
@@ -71,8 +79,9 @@ class Learner:
     """One process's learner. Data-parallel (torch.distributed initialised, world size W): every rank holds the
     same batch; prepare() splits its micro-batches over the ranks and sums the results, update() gives rank r every
     W-th micro-batch of each mini-batch and DDP (or FSDP, when given sharded `policy_logits` / `anchor_logits` from
-    `trainer.learner.data_parallel.fsdp_logits`) sums the gradients, so each optimizer step equals the one-process step on
-    the whole mini-batch; `self.parallel` (trainer.learner.data_parallel) says how. Under FSDP every rank must run the same
+    `trainer.learner.data_parallel.fsdp_logits`) sums the gradients, so each optimizer step equals the one-process
+    step on the whole mini-batch; `self.parallel` (trainer.learner.data_parallel) says how. Under FSDP every rank must
+    run the same
     number of passes (they gather weights together): the config makes the micro-batches a multiple of W."""
 
     def __init__(
@@ -115,7 +124,15 @@ class Learner:
 
     def micro_rows(self, batch: RolloutBatch) -> list[Tensor]:
         """The batch's micro-batches (row indices): runs of rows that share prefixes where the learner shares them,
-        else length-sorted (each micro-batch is cut to its longest response, so length-sorted ones pad least)."""
+        else length-sorted (each micro-batch is cut to its longest response, so length-sorted ones pad least). With
+        train.micro_batch_tokens, runs of at most that many decoder tokens each (`token_budget_micro_batches`),
+        priced as this pass runs them (no shared prefix in a training pass under activation checkpointing), their
+        number a multiple of the world size (FSDP's ranks run the same passes)."""
+        if self.train.micro_batch_tokens:
+            checkpointed = self.policy.training and getattr(self.policy, "is_gradient_checkpointing", False)
+            runs = token_budget_micro_batches(batch, self.train.micro_batch_tokens,
+                                              share_prefix=self.share_prefix and not checkpointed)
+            return split_for_ranks(runs, self.parallel.world_size)
         if self.share_prefix:
             return prefix_micro_batches(batch, self.train.micro_batch_size)
         return micro_batches(batch.response_lengths().argsort(), self.train.micro_batch_size)
@@ -132,6 +149,7 @@ class Learner:
         per token are kept, and no pass holds more of the vocabulary than one chunk of tokens' logits
         (train.logprob_chunk_tokens; all of a micro-batch's at 0)."""
         k, forward_topk = self.kl.topk, self.kl.direction == "forward"
+        pi_old_in_update = self.pi_old_from_update(batch)
         n, width = batch.response_ids.shape
         device = batch.response_ids.device
         old_logprobs = torch.zeros(n, width, device=device)
@@ -144,8 +162,9 @@ class Learner:
             w, mask = mb.response_ids.shape[1], mb.loss_mask
             tokens = mb.response_ids[mask][:, None]  # (M, 1)
             # q: pi_old's top-k (reverse) or the anchor's (forward); the anchor's log-probs there and at the token.
-            policy = self.token_stats(mb, tokens, topk=k if self.reads_topk and not forward_topk else None)
-            old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
+            if not pi_old_in_update:  # else the update's own forward gives pi_old (left 0 here until then)
+                policy = self.token_stats(mb, tokens, topk=k if self.reads_topk and not forward_topk else None)
+                old_logprobs[rows, :w] = scatter_tokens(policy.logprobs[:, 0], mask)
             if not self.reads_anchor:
                 continue
             if self.reads_topk and forward_topk:
@@ -168,6 +187,14 @@ class Learner:
         return PreparedBatch(**rollout, old_logprobs=old_logprobs, topk_ids=topk_ids,
                              ref_topk_logprobs=ref_topk_logprobs, ref_token_logprob=ref_token_logprob)
 
+    def pi_old_from_update(self, batch: RolloutBatch) -> bool:
+        """Strictly on-policy (one epoch, one mini-batch, one process): the update's forward, before its only step, is
+        pi_old itself, so prepare runs no policy pass and the update reads pi_old off its own forward, detached (the
+        PPO ratio is then exactly 1, as in TRL's GRPO step). Not with reverse Top-k, whose anchor pass in prepare
+        needs pi_old's top-k ids first (and gets pi_old's log-probs from that same pass at no extra cost)."""
+        return (self.train.ppo_epochs == 1 and self.train.mini_batch_size >= len(batch)
+                and self.parallel.world_size == 1 and not (self.reads_topk and self.kl.direction == "reverse"))
+
     def reshard(self) -> None:
         """FSDP keeps a root's weights gathered after a forward pass with no backward (the root expects one next):
         free them, so the anchor's EMA update and the optimizer see shards on both sides."""
@@ -181,7 +208,8 @@ class Learner:
             token_logprob=stats.logprobs[:, -1],
             ref_token_logprob=mb.ref_token_logprob[mask] if self.reads_anchor else None,
             tokens=mb.response_ids[mask], direction=self.kl.direction,
-            old_token_logprob=mb.old_logprobs[mask] if weighted else None, iw_clip=self.kl.iw_clip if weighted else None,
+            old_token_logprob=mb.old_logprobs[mask] if weighted else None,
+            iw_clip=self.kl.iw_clip if weighted else None,
             head_logprobs=stats.logprobs[:, :-1] if self.reads_topk else None,
             topk_ids=mb.topk_ids[mask] if self.reads_topk else None,
             ref_topk_logprobs=mb.ref_topk_logprobs[mask] if self.reads_topk else None,
@@ -189,9 +217,12 @@ class Learner:
         )
         return scatter_tokens(self.kl_estimator.fn(inputs), mask)
 
-    def micro_loss(self, mb: PreparedBatch, weight: float, probe: GradientProbe | None = None) -> dict[str, float]:
-        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats. With a `probe`,
-        the KL term's share of that gradient is also taken apart for it (one backward more, of the KL term alone)."""
+    def micro_loss(self, mb: PreparedBatch, weight: float, probe: GradientProbe | None = None,
+                   pi_old_in_update: bool = False) -> tuple[dict[str, float], Tensor]:
+        """Backward of this micro-batch's share of the mini-batch loss; returns its (weighted) stats and the pi_old
+        log-probs it used, (n, w). With a `probe`, the KL term's share of that gradient is also taken apart for it
+        (one backward more, of the KL term alone). With `pi_old_in_update`, pi_old is this forward's own log-probs,
+        detached (`pi_old_from_update`)."""
         mask = mb.loss_mask
         ids = mb.response_ids[mask][:, None]  # the sampled token; the Top-k ids before it for estimators reading them
         if self.reads_topk:
@@ -204,13 +235,23 @@ class Learner:
         stats = self.token_stats(mb, ids, entropy=True, entropy_grad=self.train.entropy_coef > 0,
                                  reference=reference, direction=self.kl.direction)
         token_logprob = scatter_tokens(stats.logprobs[:, -1], mask)
+        if pi_old_in_update:
+            mb = replace(mb, old_logprobs=token_logprob.detach())
         advantages = broadcast_to_tokens(mb.advantages, mask)
+        tis = None
+        if self.train.tis_cap is not None:
+            tis = truncated_is_weights(mb.old_logprobs, mb.sampler_logprobs, mask, self.train.tis_cap,
+                                       self.train.tis_level)
         pg_loss, pg_stats = ppo_clip_loss(
             token_logprob, mb.old_logprobs, advantages, mask,
             clip_low=self.train.clip_low, clip_high=self.train.clip_high, aggregation=self.train.aggregation,
+            token_weights=tis,
         )
         loss = pg_loss
         out = {"policy_loss": float(pg_loss.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        if tis is not None:  # token means over the mask, whatever the aggregation
+            out["loss/tis_weight_mean"] = float(masked_mean(tis, mask))
+            out["loss/tis_capped_fraction"] = float(masked_mean((tis >= self.train.tis_cap).float(), mask))
         kl_term = None
         if self.kl_estimator is not None:
             kl = masked_mean(self.kl_per_token(stats, mb), mask, self.train.aggregation)
@@ -227,7 +268,7 @@ class Learner:
         if probe is not None and kl_term is not None:
             probe.add(kl_term * scale)
         (loss * scale).backward()
-        return {k: v * weight for k, v in out.items()}
+        return {k: v * weight for k, v in out.items()}, mb.old_logprobs
 
     def probe_now(self, iteration: int) -> GradientProbe | None:
         """A probe for this iteration's first step, every `train.grad_probe_every` iterations from the first (one
@@ -241,18 +282,23 @@ class Learner:
                iteration: int = 0) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of prepare()'s batch, one optimizer step each; returns stats averaged
         over the steps taken, and on a probed iteration (`probe_now`) the grad/ metrics of its first step. With the
-        guard on, a step with a non-finite micro-batch loss or gradient norm is skipped whole (`guard_skipped_steps`)."""
+        guard on, a step with a non-finite micro-batch loss or gradient norm is skipped whole
+        (`guard_skipped_steps`)."""
         if not isinstance(batch, PreparedBatch):
             raise TypeError(f"update() takes the PreparedBatch that prepare() returns, got {type(batch).__name__}")
         self.policy.train()
         totals: dict[str, float] = defaultdict(float)  # micro-batch stats (each rank has its share of them)
         step_totals: dict[str, float] = defaultdict(float)  # per optimizer step (the same on every rank)
         probe, probed = self.probe_now(iteration), {}
+        pi_old_in_update = self.pi_old_from_update(batch)
         steps = skipped = 0
         for _ in range(self.train.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mini_rows in micro_batches(order, self.train.mini_batch_size):
-                micro_totals, bad_micro_batch = self.accumulate(batch.select(mini_rows), probe)
+                mini = batch.select(mini_rows)
+                micro_totals, bad_micro_batch = self.accumulate(mini, probe, pi_old_in_update)
+                if pi_old_in_update:  # what the update read as pi_old: the batch's, for the sampler-gap metric
+                    batch.old_logprobs[mini_rows, : mini.old_logprobs.shape[1]] = mini.old_logprobs
                 if probe is not None:  # before clipping: the gradient as the loss made it
                     probed, probe = probe.finish(), None
                 # After the all-reduce (DDP/FSDP): the same norm on every rank.
@@ -272,10 +318,12 @@ class Learner:
         stats = {k: v / max(steps, 1) for k, v in {**self.summed_over_ranks(totals, batch), **step_totals}.items()}
         return {**stats, **sampler_gap(batch), "optimizer_steps": steps, "guard_skipped_steps": skipped, **probed}
 
-    def accumulate(self, mini: PreparedBatch, probe: GradientProbe | None) -> tuple[dict[str, float], int | None]:
+    def accumulate(self, mini: PreparedBatch, probe: GradientProbe | None,
+                   pi_old_in_update: bool = False) -> tuple[dict[str, float], int | None]:
         """Forward and backward of this rank's micro-batches of one mini-batch into fresh .grad (each weighted by its
         share of the mini-batch mean); returns their summed stats and the index of this rank's first micro-batch with
-        a non-finite loss (None when all are finite)."""
+        a non-finite loss (None when all are finite). With `pi_old_in_update`, the pi_old each micro-batch read off
+        its forward is written into `mini.old_logprobs`."""
         parallel = self.parallel
         self.optimizer.zero_grad(set_to_none=True)
         micro_rows = self.micro_rows(mini)  # the accumulated gradient is the same sum in any grouping
@@ -287,7 +335,9 @@ class Learner:
             if weight == 0.0 and not parallel.lockstep:  # DDP/FSDP need every rank's backward passes
                 continue
             with parallel.gradient_sync(self.policy_logits, enabled=i == len(mine) - 1):
-                micro_stats = self.micro_loss(mini.select(rows), weight, probe)
+                micro_stats, old = self.micro_loss(mini.select(rows), weight, probe, pi_old_in_update)
+            if pi_old_in_update:
+                mini.old_logprobs[rows, : old.shape[1]] = old
             if bad_micro_batch is None and not math.isfinite(micro_stats["loss"]):
                 bad_micro_batch = parallel.rank + i * parallel.world_size
             add_into(totals, micro_stats)
