@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from learner_passes import commit, cpu_name, make_learner  # noqa: E402
+from shared_prefix import TokenRows  # noqa: E402
 
 from agent.trajectory import Trajectory  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -93,18 +94,6 @@ def calibrated_budget(learner, batch: RolloutBatch, target: float, share_prefix:
         passes = micro_batch_tokens(batch, learner.micro_rows(batch), share_prefix)
         best = min(best, (abs(sum(t for t, _ in passes) / len(passes) - target), budget))
     return best[1]
-
-
-class TokenRows:
-    """Counts the token rows entering a decoder's first layer (what every layer computes on)."""
-
-    def __init__(self, model):
-        self.rows = 0
-        model.get_decoder().layers[0].register_forward_pre_hook(self.count, with_kwargs=True)
-
-    def count(self, module, args, kwargs) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        self.rows += hidden.shape[0] * hidden.shape[1]
 
 
 def main() -> None:
