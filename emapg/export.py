@@ -419,7 +419,7 @@ def model_card(exported: Exported, config: dict) -> str:
               'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
               'tokenizer = AutoTokenizer.from_pretrained("<this folder>")', "```", "",
               "`vllm serve <this folder>` serves it; `emapg eval --model <this folder>` runs it as the search agent "
-              "it was trained as (its prompt and <search>/<answer> protocol: agent/protocol.py).", "",
+              "it was trained as (its prompt and search/answer protocol: agent/protocol.py).", "",
               "## Training config", "", "```yaml", yaml.safe_dump(config, sort_keys=False).strip(), "```", ""]
     return "\n".join(lines)
 

@@ -81,7 +81,7 @@ def test_an_offline_run_writes_its_metrics_config_and_reports_under_the_run_fold
     assert [row["iteration"] for row in logged] == [1, 2]
     for row, metrics in zip(logged, history, strict=True):
         for key, value in metrics.items():
-            assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+            assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key  # grad/ ratios may be NaN
 
     (run,) = records_of(run_dir, "run")  # the run's header, with the config it started with
     config = {item_key(item): json.loads(item.value_json) for item in run.config.update}
