@@ -170,7 +170,7 @@ STARTS = {
                "'serve'", "\"view\", str("),
     "engine": ("vllm", "VLLM", "start_ray", "ray.init", "RayWorkers", "RolloutWorker", "mechanism.run",
                "init_process_group"),
-    "browser": ("chromium", "page(viewer_url"),
+    "browser": ("chromium", "page(viewer_url", " = page("),
 }
 
 

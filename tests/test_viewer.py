@@ -142,10 +142,11 @@ def test_training_rollouts_show_reward_and_advantage(viewer_url, run_folder, tmp
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-f1"])
-def test_a_fresh_view_process_scores_a_training_rollout_as_the_trainer_did(run_folder, name):
+def test_a_fresh_view_process_scores_a_training_rollout_as_the_trainer_did(run_folder, name, tmp_path):
     """`emapg view` in its own process (which never imported the trainer's algorithms: the bug of issue 44 answered
     500 there) opens each rollout of iteration 1 of an EM run and of an F1 run with a format bonus; their rewards
-    average to the trainer's own logged rollout/reward of that iteration, and every advantage is given."""
+    average to the trainer's own logged rollout/reward of that iteration, every advantage is given, and headless
+    Chromium shows a rollout with its reward and advantage."""
     import os
     import sys
 
@@ -172,6 +173,10 @@ def test_a_fresh_view_process_scores_a_training_rollout_as_the_trainer_did(run_f
             response = httpx.get(f"{url}/api/trajectory", params={"source": source, "uid": uid}, timeout=30)
             assert response.status_code == 200, response.text
             shown.append(response.json())
+        dom = page(url, tmp_path, src=source, uid=uids[0])
+        meta = re.search(r"EM (\S+)\s+reward (\S+)\s+advantage (\S+)\s", dom)
+        assert meta and float(meta.group(2)) == pytest.approx(shown[0]["reward"], abs=1e-3), dom[-2000:]
+        assert meta.group(3) != "–"
     finally:
         process.terminate()
         process.wait(10)
