@@ -60,9 +60,10 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The edit loop's quick selection: every test that starts no server, engine (vLLM, Ray, a process group) or browser
-# and is not marked slow (markers set in tests/conftest.py from what a test calls). `make test` stays the one full run.
-FAST := not server and not engine and not browser and not slow
+# The edit loop's quick selection: every test that starts no server, engine (vLLM, Ray, a process group), browser or
+# other process and is not marked slow (markers set in tests/conftest.py from what a test calls). `make test` stays
+# the one full run.
+FAST := not server and not engine and not browser and not process and not slow
 test-fast: setup
 	$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; exit 1; fi; exit $$rc

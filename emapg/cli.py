@@ -80,7 +80,7 @@ def index(
     corpus_path: Annotated[
         Path | None, typer.Option("--corpus", help="JSONL corpus; default: the packaged Wikipedia summaries")
     ] = None,
-    kind: Annotated[str, typer.Option(help="dense (FAISS) or bm25")] = "dense",
+    kind: Annotated[str, typer.Option(help="dense (FAISS), bm25, or another kind of retriever/kinds.py")] = "dense",
     encoder: Annotated[str, typer.Option(help="preset (minilm, e5-base-v2), hub id or local folder")] = "minilm",
     factory: Annotated[str, typer.Option(help="FAISS index factory string: Flat, HNSW32, IVF4096,PQ64, ...")] = "Flat",
     batch_size: Annotated[int | None, typer.Option(min=1, help="passages per encoder call; default 32 on a CPU, "
@@ -97,9 +97,13 @@ def index(
     overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
-    if kind not in ("dense", "bm25"):
-        _fail(f"--kind must be 'dense' or 'bm25', got {kind!r}")
     from retriever.encoder import resolve_backend, resolve_dtype
+    from retriever.kinds import index_kind
+
+    try:
+        chosen_kind = index_kind(kind)
+    except ValueError as e:
+        _fail(f"--kind: {e}")
 
     try:
         encoder_backend = resolve_backend(encoder_backend, device, dtype)
@@ -114,17 +118,9 @@ def index(
         if not corpus_path.exists():
             corpus(corpus_path)
     try:
-        if kind == "bm25":
-            from retriever.bm25 import build_bm25_index
-
-            manifest = build_bm25_index(corpus_path, out, copy_corpus=copy_corpus, overwrite=overwrite)
-        else:
-            from retriever.dense import build_dense_index
-
-            manifest = build_dense_index(
-                corpus_path, out, encoder=encoder, factory=factory, batch_size=batch_size, train_size=train_size,
-                copy_corpus=copy_corpus, overwrite=overwrite, device=device, dtype=dtype, backend=encoder_backend,
-            )
+        manifest = chosen_kind.build(corpus_path, out, copy_corpus=copy_corpus, overwrite=overwrite, encoder=encoder,
+                                     factory=factory, batch_size=batch_size, train_size=train_size, device=device,
+                                     dtype=dtype, backend=encoder_backend)
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     console.print(f"built {manifest.kind} index of {manifest.corpus.num_docs:,} passages in {out}")

@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 from data.corpus import file_sha256
 from retriever.api import Hit
 from retriever.docstore import OFFSETS_FILE, DocStore
+from retriever.kinds import index_kind
 from retriever.manifest import Manifest
 
 
@@ -49,17 +50,10 @@ def load_index(
 ) -> SearchIndex:
     """Load an index folder. `encoder` (preset, name or path) must match the manifest's, else it is refused."""
     manifest = Manifest.read(folder)
+    kind = index_kind(manifest.kind)
+    if encoder is not None and "encoder" not in kind.load_options:
+        raise ValueError(f"index {folder} is {manifest.kind}: it takes no encoder (got {encoder!r})")
     docstore = open_docstore(folder, manifest, verify_checksum)
-    # Imported here, not at the top: a BM25 server need not load FAISS, nor a dense one bm25s.
-    if manifest.kind == "bm25":
-        from retriever.bm25 import BM25Index
-
-        if encoder is not None:
-            raise ValueError(f"index {folder} is BM25: it takes no encoder (got {encoder!r})")
-        return BM25Index.load(folder, manifest, docstore)
-    from retriever.dense import DenseIndex
-
-    return DenseIndex.load(
-        folder, manifest, docstore, encoder=encoder, device=device, query_dtype=query_dtype,
-        query_backend=query_backend, gpu=gpu, search_params=search_params,
-    )
+    # The backend's module is imported here, not at the top: a BM25 server need not load FAISS, nor a dense one bm25s.
+    return kind.load(folder, manifest, docstore, encoder=encoder, device=device, query_dtype=query_dtype,
+                     query_backend=query_backend, gpu=gpu, search_params=search_params)

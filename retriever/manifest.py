@@ -6,11 +6,12 @@ import json
 import math
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator, model_validator
 
 from retriever.encoder import Encoder, EncoderSpec
+from retriever.kinds import index_kind
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
@@ -50,13 +51,26 @@ class CorpusManifest(BaseModel):
 
 class Manifest(BaseModel):
     format_version: int = FORMAT_VERSION
-    kind: Literal["dense", "bm25"]
-    metric: Literal["inner_product", "bm25"]
+    kind: str  # a name of retriever/kinds.py's INDEX_KINDS
+    metric: str  # that kind's
     index_factory: str | None = None
     encoder: EncoderManifest | None = None
     bm25: BM25Manifest | None = None
+    params: dict[str, Any] | None = None  # a newer backend's own settings (dense and BM25 have typed sections above)
     corpus: CorpusManifest
     created: str = ""
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        index_kind(kind)
+        return kind
+
+    @model_validator(mode="after")
+    def _kinds_metric(self) -> Manifest:
+        if self.metric != index_kind(self.kind).metric:
+            raise ValueError(f"a {self.kind} index scores by {index_kind(self.kind).metric}, not {self.metric}")
+        return self
 
     def write(self, folder: Path) -> None:
         self.created = self.created or datetime.now(UTC).isoformat(timespec="seconds")

@@ -171,15 +171,24 @@ STARTS = {
     "engine": ("vllm", "VLLM", "start_ray", "ray.init", "RayWorkers", "RolloutWorker", "mechanism.run",
                "init_process_group"),
     "browser": ("chromium", "page(viewer_url", " = page("),
+    "process": ("subprocess.run(", "subprocess.Popen(", "Popen(", "check_output(", "mp.spawn", "multiprocessing"),
 }
 
 
 def _sources(item) -> str:
+    """The test's source, its fixtures' and that of the module's own functions either calls (one level down: a
+    helper that starts the server is read too)."""
     import inspect
 
     functions = [getattr(item, "function", None)]
     for defs in item._fixtureinfo.name2fixturedefs.values():
         functions += [d.func for d in defs]
+    module = getattr(item, "module", None)
+    for fn in list(functions):
+        for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+            helper = getattr(module, name, None)
+            if inspect.isfunction(helper) and helper.__module__ == getattr(module, "__name__", None):
+                functions.append(helper)
     texts = []
     for fn in functions:
         try:
@@ -191,7 +200,8 @@ def _sources(item) -> str:
 
 def pytest_configure(config):
     for name, about in (("server", "starts a retrieval or viewer server"), ("engine", "starts vLLM, Ray or a "
-                        "process group"), ("browser", "renders a page in headless Chromium")):
+                        "process group"), ("browser", "renders a page in headless Chromium"),
+                        ("process", "starts another Python process (the CLI, a benchmark, an experiment)")):
         config.addinivalue_line("markers", f"{name}: {about} (set by tests/conftest.py from what the test calls)")
 
 
