@@ -133,8 +133,8 @@ two-hop-record:
 STABILITY := artifacts/study-a
 STABILITY_RECORD := docs/evidence/study-a
 # init_seed:seeds per block; a start refused by --min-sft-em (the plan's rule) takes the next unused init_seed
-# (block 1 is init_seed 3: init_seed 1's start was refused, docs/study_stability_plan.md "Observed")
-STABILITY_BLOCKS := 3:100-107 2:108-115
+# (block 1 is init_seed 4: the starts of init_seeds 1 and 3 were refused, docs/study_stability_plan.md "Observed")
+STABILITY_BLOCKS := 4:100-107 2:108-115
 stability: setup
 	for block in $(STABILITY_BLOCKS); do \
 	  init=$${block%%:*}; seeds=$${block#*:}; out=$(STABILITY)/block-$$init; mkdir -p $$out; \
