@@ -121,7 +121,9 @@ class Trainer:
                              f"({self.guard.rollbacks} of guard.max_rollbacks={self.cfg.guard.max_rollbacks} used)")
 
     def step(self) -> dict[str, float]:
-        """One iteration; returns its metrics."""
+        """One iteration, in the order it runs: sync the rollout engine's weights, sample prompts, roll out, score
+        (rewards, group advantages: trainer.scoring), learn (pi_old and the anchor's values, the PPO epochs, the EMA
+        anchor's move: PolicyTrainer.train_step), keep the rollouts; returns the metrics the caller logs."""
         cfg, t = self.cfg, self.cfg.train
         self.iteration += 1
         start = time.perf_counter()
@@ -139,8 +141,8 @@ class Trainer:
         stats = self.workers.learn(collate(trajs, advantages, self.tokenizer.pad_token_id or 0), self.iteration)
         stats["grad/zero_advantage_groups"] = zero_advantage_groups(advantages, [traj.group_id for traj in trajs])
         save_jsonl(trajs, cfg.run_dir / "trajectories" / f"iter-{self.iteration:06d}.jsonl")
-        # The workers' stats come under flat names (trainer.run.metrics_log.FLAT_NAMES); rollout/retrieval_wait_s is part
-        # of time/rollout_s (time/ are the iteration's phases).
+        # The workers' stats come under flat names (trainer.run.metrics_log.FLAT_NAMES); rollout/retrieval_wait_s is
+        # part of time/rollout_s (time/ are the iteration's phases).
         return merge_metrics(rollout_metrics(trajs, scores), namespaced(stats), timings, namespaced(rollout_stats))
 
     def run(self, progress: Callable[[int, dict], None] | None = None, until: int | None = None) -> list[dict[str, float]]:
