@@ -57,6 +57,8 @@ compose-up-check:
 # `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).
 test: setup
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@# tests/test_compose_up.py builds its base image from Debian's packages (docker/base-image.sh).
+	command -v mmdebstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
