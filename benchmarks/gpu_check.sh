@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the numbers README "Scaling out (GPU)" estimates, measured. Under 5 minutes on one GPU, no
+# The GPU check: the numbers README "Scaling out (GPU)" estimates, measured. About 6 minutes on one GPU, no
 # downloaded weights (every model is random). Prints JSON lines; exits non-zero without CUDA or when a step fails.
 #   bash benchmarks/gpu_check.sh           # PYTHON=... picks the interpreter (default: .venv's, else python3)
 #   docker compose run --rm --entrypoint bash trainer benchmarks/gpu_check.sh
@@ -32,3 +32,10 @@ PY
 "$PYTHON" benchmarks/train_step.py --device cuda --vocab 151936
 "$PYTHON" benchmarks/train_step.py --device cuda --vocab 151936 --hidden 1536 --layers 28 --heads 12 \
   --intermediate 8960 --micro 1 --steps 2 --gradient-checkpointing both
+# Micro-batches cut by tokens (train.micro_batch_tokens) against configs/gpu_1x.yaml's one row a micro-batch, at
+# Qwen2.5-1.5B's shape on search-shaped trajectories (4 model turns of 250-500 tokens, 3 observations of 450): tokens/s
+# and the share of the card's measured bf16 matmul rate each reaches. 8,192 tokens (2-3 rows) keeps the activations
+# without checkpointing (~3 MB a token) beside the 41 GB learner state on an 80 GB card.
+"$PYTHON" benchmarks/train_step.py --device cuda --vocab 151936 --hidden 1536 --layers 28 --heads 12 \
+  --intermediate 8960 --micro 1 --steps 2 --trajectories 16 --turns 4 --turn-tokens 500 --obs-tokens 450 \
+  --micro-batch-tokens both --token-budget 8192

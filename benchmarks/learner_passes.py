@@ -36,6 +36,7 @@ from trainer.config import load_config
 from trainer.ema import EmaAnchor
 from trainer.gradient_probe import GradientProbe
 from trainer.learner.learner import Learner
+from trainer.schedule import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each variant's config overrides (configs/cpu_evidence.yaml's three runs, and the KL off).
@@ -87,7 +88,7 @@ def make_learner(policy, cfg) -> Learner:
         for p in anchor.module.parameters():
             p.add_(0.01 * torch.randn_like(p))
     t = cfg.train
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    optimizer = adamw(list(policy.parameters()), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     return Learner(policy, anchor, optimizer, scheduler, t, cfg.kl, cfg.rollout.temperature, cfg.autocast,
                    guard=cfg.guard)

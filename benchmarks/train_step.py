@@ -10,12 +10,18 @@ optimizer state and anchor included), or the process's peak RSS on CPU. Three co
 fresh processes (peak memory does not reset), and print both and their ratios: `--gradient-checkpointing both`
 (without and with activation checkpointing), `--lora` (full fine-tuning against LoRA adapters of `--lora-rank` on
 every attention and MLP Linear, with the exact EMA anchor of trainer.ema.LoraEmaAnchor) and `--logprob-chunk-tokens
-both` (the LM head over all of a micro-batch's tokens at once against 256 at a time).
+both` (the LM head over all of a micro-batch's tokens at once against 256 at a time), and `--micro-batch-tokens
+both` (--micro rows a micro-batch against micro-batches cut to --token-budget tokens, `train.micro_batch_tokens`).
+
+Model FLOPs: 2 x parameters per token a decoder pass computes (counted by a hook on every decoder forward: shared
+prefixes run once, recomputation under activation checkpointing not counted), 3x that for a pass under autograd.
+On a GPU the step's model FLOP/s is also given as a share of the card's bf16 matmul rate measured here (8192^3).
 
     python benchmarks/train_step.py [--device auto|cpu|cuda] [--vocab 151936] [--hidden 512] [--layers 4]
         [--heads 8] [--intermediate N] [--trajectories 16] [--micro 4] [--prompt-tokens 256] [--turns 3]
         [--turn-tokens 200] [--obs-tokens 300] [--autocast bfloat16] [--steps 3]
         [--gradient-checkpointing off|on|both] [--lora] [--lora-rank 16] [--logprob-chunk-tokens N|both]
+        [--micro-batch-tokens N|both] [--token-budget 16384]
 """
 
 from __future__ import annotations
@@ -70,6 +76,32 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def bf16_matmul_tflops(repeats: int = 10) -> float:
+    """The card's bf16 matmul rate, measured: the best of `repeats` 8192^3 products."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    best = math.inf
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 8192**3 / best / 1e12
+
+
+class DecoderFlops:
+    """Model FLOPs of every decoder pass while installed: 2 x parameters per token computed, 6 x under autograd."""
+
+    def __init__(self, decoder_class: type, parameters: int):
+        self.flops, self.parameters = 0.0, parameters
+        self.decoder_class = decoder_class
+
+    def __call__(self, module, inputs, output) -> None:
+        if isinstance(module, self.decoder_class):
+            tokens = output.last_hidden_state.shape[0] * output.last_hidden_state.shape[1]
+            self.flops += (6 if torch.is_grad_enabled() else 2) * self.parameters * tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -90,6 +122,9 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="compare full fine-tuning with LoRA (--lora-rank)")
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of this run (0: full fine-tuning)")
     ap.add_argument("--logprob-chunk-tokens", default="256", help="train.logprob_chunk_tokens, or both (0 and 256)")
+    ap.add_argument("--micro-batch-tokens", default="0",
+                    help="train.micro_batch_tokens (0: --micro rows a micro-batch), or both (0 and --token-budget)")
+    ap.add_argument("--token-budget", type=int, default=16384, help="the token budget of --micro-batch-tokens both")
     args = ap.parse_args()
     if args.gradient_checkpointing == "both":
         compare("train_step_gradient_checkpointing", "--gradient-checkpointing", {"off": "off", "on": "on"})
@@ -99,6 +134,9 @@ def main() -> None:
         return
     if args.logprob_chunk_tokens == "both":
         compare("train_step_logprob_chunks", "--logprob-chunk-tokens", {"unchunked": "0", "chunked": "256"})
+        return
+    if args.micro_batch_tokens == "both":
+        compare("train_step_token_budget", "--micro-batch-tokens", {"rows": "0", "tokens": str(args.token_budget)})
         return
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -119,6 +157,7 @@ def main() -> None:
         f"train.mini_batch_size={args.trajectories}", f"train.micro_batch_size={args.micro}",
         f"autocast={args.autocast}", f"train.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
         f"lora.rank={args.lora_rank}", f"train.logprob_chunk_tokens={args.logprob_chunk_tokens}",
+        f"train.micro_batch_tokens={args.micro_batch_tokens}",
     ])  # everything else at the paper's defaults: lr 1e-6, Top-k KL with k = 32, beta 0.001, tau 0.9
     learning = PolicyTrainer(cfg, policy)  # the trainer's own: EMA anchor, AdamW + schedule, Learner
     learner, anchor = learning.learner, learning.anchor
@@ -126,7 +165,9 @@ def main() -> None:
     batch = synthetic_batch(args, generator).to(device)  # the learner allocates on the batch's device
 
     times: dict[str, list[float]] = {"prepare_s": [], "update_s": [], "ema_s": []}
+    flops = DecoderFlops(type(policy.model), sum(p.numel() for p in policy.parameters()))
     for step in range(1 + args.steps):  # step 0 warms up (kernel selection, allocator), untimed
+        hook = torch.nn.modules.module.register_module_forward_hook(flops) if step == 1 else None
         synchronize(device)
         t0 = time.perf_counter()
         prepared = learner.prepare(batch)
@@ -138,6 +179,8 @@ def main() -> None:
         anchor.update(policy, cfg.ema.tau)
         synchronize(device)
         t3 = time.perf_counter()
+        if hook is not None:
+            hook.remove()
         if step == 0:
             continue
         for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
@@ -152,6 +195,12 @@ def main() -> None:
     else:
         peak, measure = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
     tokens = int(batch.attention_mask.sum())
+    model_tflops = flops.flops / step_s / 1e12  # the hook counted step 1's passes; the best step's time
+    rate = {"model_tflops_per_s": round(model_tflops, 4)}
+    if device == "cuda":
+        peak_tflops = bf16_matmul_tflops()
+        rate |= {"measured_bf16_matmul_tflops": round(peak_tflops, 1),
+                 "share_of_measured_bf16": round(model_tflops / peak_tflops, 4)}
     print(json.dumps({
         "benchmark": "train_step", "device": device, "device_name": device_name(device),
         "torch": torch.__version__, "autocast": args.autocast,
@@ -163,7 +212,7 @@ def main() -> None:
         "trajectories": args.trajectories, "micro_batch": args.micro, "tokens": tokens,
         "model_tokens": int(batch.loss_mask.sum()), "optimizer_steps": stats["optimizer_steps"],
         "step_s": round(step_s, 4), **{k: round(v, 4) for k, v in best.items()},
-        "tokens_per_s": round(tokens / step_s, 1),
+        "tokens_per_s": round(tokens / step_s, 1), "micro_batch_tokens": cfg.train.micro_batch_tokens, **rate,
         "peak_memory_gb": round(peak / 1e9, 3), "peak_memory_measure": measure,
         "loss": round(stats["loss"], 6), "kl": stats["kl"], "grad_norm": round(stats["grad_norm"], 6),
     }))
@@ -195,6 +244,7 @@ def compare(benchmark: str, option: str, variants: dict[str, str]) -> None:
                       f"update_s_{b}_over_{a}": round(second["update_s"] / first["update_s"], 3),
                       f"step_s_{b}_over_{a}": round(second["step_s"] / first["step_s"], 3),
                       f"peak_memory_{b}_over_{a}": round(second["peak_memory_gb"] / first["peak_memory_gb"], 3),
+                      f"tokens_per_s_{b}_over_{a}": round(second["tokens_per_s"] / first["tokens_per_s"], 3),
                       "loss_equal": second["loss"] == first["loss"]}))
 
 

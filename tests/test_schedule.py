@@ -1,5 +1,6 @@
-"""The RL learning-rate schedule (trainer/schedule.py): warm-up in AdamW steps equals transformers' schedule, and
-warm-up as a fraction of iterations equals verl's (the authors' recipe), a scheduler stepped once per iteration."""
+"""The optimizer and the RL learning-rate schedule (trainer/schedule.py): the fused AdamW takes the per-tensor one's
+steps to rounding; warm-up in AdamW steps equals transformers' schedule, and warm-up as a fraction of iterations
+equals verl's (the authors' recipe), a scheduler stepped once per iteration."""
 
 from __future__ import annotations
 
@@ -8,13 +9,35 @@ import torch
 from transformers import get_constant_schedule_with_warmup
 
 from trainer.config import ConfigError, TrainSection, load_config
-from trainer.schedule import learning_rate_schedule, steps_per_iteration, warmup_iterations
+from trainer.schedule import adamw, learning_rate_schedule, steps_per_iteration, warmup_iterations
 
 LR = 1e-6
 
 
 def optimizer() -> torch.optim.Optimizer:
     return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+
+
+def test_adamw_is_fused_on_cpu_and_steps_as_the_per_tensor_adamw():
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 32, generator=generator), torch.randn(32, generator=generator)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+    trained = {}
+    for kind in ("fused", "per tensor"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        if kind == "fused":
+            opt = adamw(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+            assert opt.param_groups[0]["fused"] is True
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        trained[kind] = params
+    assert not torch.equal(trained["fused"][0], start[0])  # five steps of 1e-2 moved it
+    for fused, reference in zip(trained["fused"], trained["per tensor"], strict=True):
+        torch.testing.assert_close(fused, reference, rtol=0, atol=1e-6)
 
 
 def rates(scheduler, steps: int) -> list[float]:

@@ -1,4 +1,5 @@
-"""The RL learning-rate schedule: a linear warm-up from 0, then constant. The learner steps it once per AdamW step.
+"""The optimizer (AdamW, fused where torch can) and the RL learning-rate schedule: a linear warm-up from 0, then
+constant. The learner steps it once per AdamW step.
 
 Two ways to say how long the warm-up is (trainer.config.TrainSection):
 
@@ -16,10 +17,24 @@ rate changes one step later within the iteration than verl's would.
 
 from __future__ import annotations
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import TrainSection
+
+
+def adamw(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+          weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused into one kernel over all parameters where torch has one for them (floating tensors on CPU or CUDA,
+    none of them sharded DTensors). On 2 CPU cores a step over SmolLM2-135M's parameters takes 0.44 s fused against
+    1.40 s one tensor at a time (torch's CPU default), a fifth of a GRPO update there (docs/benchmarks.md); the two
+    differ by rounding only (at most 1e-9 in the parameters after a step there)."""
+    from torch.distributed.tensor import DTensor
+
+    fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() and not isinstance(p, DTensor)
+                  for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fusable or None)
 
 
 def step_warmup(step: int, warmup_steps: int) -> float:

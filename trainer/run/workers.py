@@ -34,7 +34,7 @@ from trainer.learner.lora import (
     uses_lora,
 )
 from trainer.learner.learner import Learner, enable_gradient_checkpointing
-from trainer.schedule import learning_rate_schedule
+from trainer.schedule import adamw, learning_rate_schedule
 
 
 class Workers(Protocol):
@@ -90,7 +90,7 @@ class PolicyTrainer:
                       "anchor_logits": fsdp_logits(self.anchor.module, temperature, mesh)}
         # After sharding: the optimizer must hold the sharded parameters.
         trained = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW([p for _, p in trained], lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.optimizer = adamw([p for _, p in trained], lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = learning_rate_schedule(self.optimizer, t)
         self.parameter_names = [name for name, _ in trained]  # the optimizer's parameter order
         self.learner = Learner(policy, self.anchor, self.optimizer, self.scheduler, t, cfg.kl, cfg.rollout.temperature,
