@@ -13,7 +13,7 @@ from eval.metrics import normalize_answer
 from eval.seed_stats import bootstrap_interval, holm, sign_flip_p
 from experiments.mechanism.analysis import mean_ci, paired, summarise
 from experiments.mechanism.cell import curve_summary, smoothed
-from experiments.mechanism.kb import HOPS, KBSpec, generate_kb, load_questions, write_kb
+from experiments.mechanism.kb import HOPS, REWORDED, WORDINGS, KBSpec, generate_kb, load_questions, write_kb
 from experiments.mechanism.sweep import Cell, SweepSection, grid, study_config, train_overrides
 from trainer.config import load_config
 
@@ -71,6 +71,34 @@ def test_corpus_is_search_r1_jsonl_and_questions_follow_the_kb(kb_dir):
                 assert q.bridge in by_title[q.queries[0]] and q.queries[1] == q.bridge
     ids = [q.example.id for q in load_questions(kb_dir / "questions-train.jsonl")]
     assert len(set(ids)) == len(ids)
+
+
+def wording(question) -> str:
+    """A question's text with its entity's number taken out: the wording it uses."""
+    return question.example.question.replace(question.queries[0], "{entity}")
+
+
+def test_reworded_questions_ask_the_test_split_in_wordings_no_training_question_uses(kb_dir):
+    """Study B's generalisation set: the answer a trained wording of the same question has, about test entities
+    only, and none of its wordings among those of the train or test questions (or of the SFT demonstrations, which
+    are built from the train questions' text)."""
+    kb = generate_kb(SPEC)
+    reworded = load_questions(kb_dir / "questions-reworded.jsonl")
+    seen = {wording(q) for split in ("train", "test") for q in load_questions(kb_dir / f"questions-{split}.jsonl")}
+    assert seen == set(WORDINGS.values())  # the check below can fail: these are the wordings trained on
+    assert len(reworded) == SPEC.test_questions and {q.kind for q in reworded} == set(HOPS)
+    assert {wording(q) for q in reworded} == set(REWORDED.values()) and not seen & set(REWORDED.values())
+    for i, q in enumerate(reworded):
+        assert q.queries[0] in (kb.test_cities if q.kind == "city_country" else kb.test_people)
+        same = kb.question(q.kind, q.queries[0], "test", i)  # the trained wording of this question
+        assert q.example.golden_answers == same.example.golden_answers
+        assert (q.queries, q.bridge) == (same.queries, same.bridge)
+        assert q.example.id == f"kb-{q.kind}/test-reworded/{i}" and q.example.split == "test-reworded"
+    # Adding the set to a KB leaves its train and test questions as they were (it draws from a generator of its own).
+    again = kb_dir.parent / "kb-again"
+    write_kb(generate_kb(SPEC), again)
+    for name in ("questions-train.jsonl", "questions-test.jsonl", "questions-reworded.jsonl"):
+        assert (again / name).read_text() == (kb_dir / name).read_text()
 
 
 @pytest.fixture(scope="module")

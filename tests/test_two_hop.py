@@ -15,9 +15,13 @@ def test_the_sets_split_two_hop_from_one_hop_and_load_as_flashrag_sets(tmp_path)
     kb = generate_kb(KBSpec(train_people=30, test_people=10, train_cities=6, test_cities=3, countries=3))
     rng = np.random.default_rng(0)
     train, test = kb.questions("train", 40, rng), kb.questions("test", 20, rng)
-    counts = write_sets(tmp_path, train, test)
+    reworded = kb.questions("test", 12, rng, reworded=True)
+    counts = write_sets(tmp_path, train, test, reworded)
     two_hop = [q for q in test if q.kind == TWO_HOP]
-    assert counts == {"kb/train": 40, "kb-2hop/test": len(two_hop), "kb-1hop/test": 20 - len(two_hop)}
+    assert counts == {"kb/train": 40, "kb-2hop/test": len(two_hop), "kb-1hop/test": 20 - len(two_hop),
+                      "kb-reworded/test": 12}
+    assert [e.question for e in load_flashrag("kb-reworded", "test", root=tmp_path)] == [q.example.question
+                                                                                       for q in reworded]
     loaded = load_flashrag("kb-2hop", "test", root=tmp_path)
     assert [(e.question, e.golden_answers) for e in loaded] == [(q.example.question, q.example.golden_answers)
                                                                 for q in two_hop]

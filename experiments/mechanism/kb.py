@@ -25,7 +25,9 @@ answer or bridge ends its document, so with one document per search the digits t
 distance from where they are written.
 
 Train and test questions use disjoint people and cities, so a policy that memorised relations during training gains
-nothing on the test questions: only the search strategy carries over.
+nothing on the test questions: only the search strategy carries over. The reworded test questions
+(questions-reworded.jsonl, Study B's generalisation set, docs/study_b_plan.md) ask the same relations about the test
+split in wordings no training question or demonstration uses (REWORDED).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ from data.qa import QAExample
 
 KINDS = ("birthplace", "city_country", "birth_country")
 HOPS = {"birthplace": 1, "city_country": 1, "birth_country": 2}
+WORDINGS = {"birthplace": "Where was person {entity} born?", "city_country": "Which country is city {entity} in?",
+            "birth_country": "In which country was person {entity} born?"}
+REWORDED = {"birthplace": "What city was person {entity} born in?",
+            "city_country": "Which country is city {entity} located in?",
+            "birth_country": "Person {entity} was born in a city. Which country is that city in?"}
 
 
 @dataclass(frozen=True)
@@ -90,29 +97,33 @@ class KnowledgeBase:
         docs += [make_contents(f"City {c}", f"City {c} is in country {k}.") for c, k in self.country_of.items()]
         return [Passage(id=str(i), contents=text) for i, text in enumerate(docs)]
 
-    def question(self, kind: str, entity: str, split: str, index: int) -> KBQuestion:
-        if kind == "birthplace":
-            text, answer, queries, bridge = f"Where was person {entity} born?", self.born_in[entity], (entity,), None
-        elif kind == "city_country":
-            text, answer, queries, bridge = f"Which country is city {entity} in?", self.country_of[entity], (entity,), None
-        elif kind == "birth_country":
-            city = self.born_in[entity]
-            text, answer, queries, bridge = f"In which country was person {entity} born?", self.country_of[city], (entity, city), city
-        else:
+    def question(self, kind: str, entity: str, split: str, index: int,
+                 wordings: dict[str, str] = WORDINGS) -> KBQuestion:
+        if kind not in KINDS:
             raise ValueError(f"unknown question kind {kind!r}; expected one of {KINDS}")
+        if kind == "birthplace":
+            answer, queries, bridge = self.born_in[entity], (entity,), None
+        elif kind == "city_country":
+            answer, queries, bridge = self.country_of[entity], (entity,), None
+        else:
+            city = self.born_in[entity]
+            answer, queries, bridge = self.country_of[city], (entity, city), city
+        text = wordings[kind].format(entity=entity)
         example = QAExample(f"kb-{kind}/{split}/{index}", f"kb-{kind}", split, text, (answer,), "synthetic-kb")
         return KBQuestion(example, kind, queries, bridge)
 
-    def questions(self, split: str, n: int, rng: np.random.Generator) -> list[KBQuestion]:
-        """n questions about this split's people and cities, kinds drawn by `spec.mix`, entities uniformly."""
+    def questions(self, split: str, n: int, rng: np.random.Generator, *, reworded: bool = False) -> list[KBQuestion]:
+        """n questions about this split's people and cities, kinds drawn by `spec.mix`, entities uniformly; in the
+        REWORDED wordings (split named "<split>-reworded" in their ids) when `reworded`."""
         people = self.train_people if split == "train" else self.test_people
         cities = self.train_cities if split == "train" else self.test_cities
         kinds = rng.choice(len(KINDS), size=n, p=np.array(self.spec.mix) / sum(self.spec.mix))
+        label, wordings = (f"{split}-reworded", REWORDED) if reworded else (split, WORDINGS)
         out = []
         for i, k in enumerate(kinds):
             kind = KINDS[k]
             entity = str(rng.choice(cities if kind == "city_country" else people))
-            out.append(self.question(kind, entity, split, i))
+            out.append(self.question(kind, entity, label, i, wordings))
         return out
 
 
@@ -132,14 +143,25 @@ def generate_kb(spec: KBSpec) -> KnowledgeBase:
                          [str(c) for c in train_cities], [str(c) for c in test_cities])
 
 
+def write_reworded(kb: KnowledgeBase, out: Path) -> Path:
+    """questions-reworded.jsonl: spec.test_questions test-split questions in the REWORDED wordings, drawn from a
+    generator of their own (the train and test files do not change when this one is added to an older KB)."""
+    path = out / "questions-reworded.jsonl"
+    rng = np.random.default_rng([kb.spec.seed, 2])
+    save_questions(kb.questions("test", kb.spec.test_questions, rng, reworded=True), path)
+    return path
+
+
 def write_kb(kb: KnowledgeBase, out: Path) -> dict[str, Path]:
-    """corpus.jsonl, questions-train.jsonl, questions-test.jsonl and kb.json (the spec and the relations) in `out`."""
+    """corpus.jsonl, questions-train.jsonl, questions-test.jsonl, questions-reworded.jsonl and kb.json (the spec and
+    the relations) in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([kb.spec.seed, 1])
     paths = {"corpus": out / "corpus.jsonl", "train": out / "questions-train.jsonl", "test": out / "questions-test.jsonl"}
     write_jsonl(iter(kb.passages()), paths["corpus"])
     for split, n in (("train", kb.spec.train_questions), ("test", kb.spec.test_questions)):
         save_questions(kb.questions(split, n, rng), paths[split])
+    paths["reworded"] = write_reworded(kb, out)
     (out / "kb.json").write_text(json.dumps({"spec": asdict(kb.spec), "born_in": kb.born_in,
                                              "country_of": kb.country_of}, indent=1))
     return paths

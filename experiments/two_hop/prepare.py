@@ -7,7 +7,9 @@ Steps, each reused from `--out` when already there:
   kb/         the knowledge base of experiments/mechanism/kb.py (answers reachable only by searching it)
   flashrag/   its questions as FlashRAG-format sets (data.qa.load_flashrag reads a local set of one's own):
               kb/train.jsonl (every kind, the ideal strategy's answerable ones), kb-2hop/test.jsonl (the primary
-              outcome's two-hop questions), kb-1hop/test.jsonl (one-hop, reported beside it)
+              outcome's two-hop questions), kb-1hop/test.jsonl (one-hop, reported beside it), kb-reworded/test.jsonl
+              (Study B's generalisation set: test questions of every kind in wordings never trained on; evaluated
+              with `data.eval=[kb-2hop:test,kb-reworded:test]`)
   index/      BM25 over the KB corpus, served by the real retrieval server
   two-hop/sft the SFT warm start of the config's policy on demonstrations that show the two-search strategy on
               only sft_full_rate of the two-hop questions (experiments/mechanism/demos.py), so RL has room above SFT;
@@ -35,10 +37,11 @@ def flashrag_rows(questions: list[KBQuestion]) -> str:
                    for q in questions)
 
 
-def write_sets(root: Path, train: list[KBQuestion], test: list[KBQuestion]) -> dict[str, int]:
+def write_sets(root: Path, train: list[KBQuestion], test: list[KBQuestion],
+               reworded: list[KBQuestion]) -> dict[str, int]:
     """The FlashRAG-format sets under `root`; returns the number of questions in each."""
     sets = {"kb/train": train, "kb-2hop/test": [q for q in test if q.kind == TWO_HOP],
-            "kb-1hop/test": [q for q in test if q.kind != TWO_HOP]}
+            "kb-1hop/test": [q for q in test if q.kind != TWO_HOP], "kb-reworded/test": reworded}
     for name, questions in sets.items():
         path = root / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,7 @@ def main(
     """Build the KB, its FlashRAG-format sets and BM25 index, and the SFT start of the two-hop study."""
     from agent.policy import load_policy, load_tokenizer
     from experiments.mechanism.demos import answerable, build_demonstrations
-    from experiments.mechanism.kb import KBSpec, generate_kb, load_questions, write_kb
+    from experiments.mechanism.kb import KBSpec, generate_kb, load_questions, write_kb, write_reworded
     from retriever.bm25 import build_bm25_index
     from retriever.client import RetrieverClient
     from retriever.process import running_server
@@ -70,16 +73,24 @@ def main(
                                f"data.flashrag_root={out / 'flashrag'}"])
     if not (out / "kb" / "kb.json").exists():
         write_kb(generate_kb(KBSpec()), out / "kb")
+    if not (out / "kb" / "questions-reworded.jsonl").exists():  # a KB made before the set existed
+        saved = json.loads((out / "kb" / "kb.json").read_text())
+        kb = generate_kb(KBSpec(**{**saved["spec"], "mix": tuple(saved["spec"]["mix"])}))
+        if (kb.born_in, kb.country_of) != (saved["born_in"], saved["country_of"]):
+            raise SystemExit(f"{out / 'kb'}: kb.json's relations are not those its spec generates; cannot add the "
+                             "reworded questions to it")
+        write_reworded(kb, out / "kb")
     if not (out / "index" / "manifest.json").exists():
         build_bm25_index(out / "kb" / "corpus.jsonl", out / "index", overwrite=True)
     tokenizer = load_tokenizer(cfg.model)
-    questions = {split: load_questions(out / "kb" / f"questions-{split}.jsonl") for split in ("train", "test")}
+    questions = {split: load_questions(out / "kb" / f"questions-{split}.jsonl")
+                 for split in ("train", "test", "reworded")}
     r = cfg.rollout
     with running_server(out / "index", log=out / "server.log") as url, \
             RetrieverClient(url, topk=cfg.retriever.topk, timeout_s=60) as client:
         train = answerable(questions["train"], client, tokenizer, topk=cfg.retriever.topk,
                            max_obs_tokens=r.max_obs_tokens)
-        counts = write_sets(out / "flashrag", train, questions["test"])
+        counts = write_sets(out / "flashrag", train, questions["test"], questions["reworded"])
         print(f"sets: {counts} (train: the {len(train)} of {len(questions['train'])} the ideal strategy answers)")
         if latest_checkpoint(cfg.sft_dir) is None:
             demos, kinds = build_demonstrations(train[:demonstrations], client, tokenizer, topk=cfg.retriever.topk,
