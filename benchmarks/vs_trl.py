@@ -46,7 +46,8 @@ def exact_match_reward(completions: list[str], golden: list[list[str]]) -> list[
     from eval.metrics import exact_match
 
     answers = [re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL) for text in completions]
-    return [exact_match(found[-1].strip() if found else None, gold) for found, gold in zip(answers, golden, strict=True)]
+    return [exact_match(found[-1].strip() if found else None, gold)
+            for found, gold in zip(answers, golden, strict=True)]
 
 
 def trl_side(spec: dict) -> dict:
@@ -78,15 +79,17 @@ def trl_side(spec: dict) -> dict:
         return exact_match_reward([c[-1]["content"] for c in completions], golden)
 
     batch = spec["prompts_per_step"] * spec["rollouts"]
-    out = tempfile.mkdtemp(prefix="trl-bench-")
-    args = GRPOConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+    out = tempfile.TemporaryDirectory(prefix="trl-bench-")
+    args = GRPOConfig(output_dir=out.name, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
                       num_generations=spec["rollouts"], max_completion_length=spec["max_tokens"],
                       temperature=1.0, beta=BETA, learning_rate=LR, num_iterations=1, max_steps=spec["steps"],
-                      bf16=spec["precision"] == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=True, logging_steps=1,
-                      save_strategy="no", report_to="none", seed=0, shuffle_dataset=False, dataloader_num_workers=0)
+                      bf16=spec["precision"] == "bf16", fp16=False, gradient_checkpointing=False, use_cpu=True,
+                      logging_steps=1, save_strategy="no", report_to="none", seed=0, shuffle_dataset=False,
+                      dataloader_num_workers=0)
     clock = StepClock()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=args, train_dataset=data, callbacks=[clock])
     trainer.train()
+    out.cleanup()
     steps = [round(b - a, 2) for a, b in zip(clock.ends, clock.ends[1:])]
     return {"step_s": steps, "completion_tokens": [round(x, 1) for x in clock.lengths]}
 
@@ -103,9 +106,9 @@ def ours_side(spec: dict) -> dict:
     from trainer.run.workers import LocalWorkers
 
     batch = spec["prompts_per_step"] * spec["rollouts"]
-    out = tempfile.mkdtemp(prefix="ours-bench-")
+    out = tempfile.TemporaryDirectory(prefix="ours-bench-")
     cfg = load_config(ROOT / "configs" / "cpu_demo.yaml", [
-        f"out_dir={out}", f"model={spec['model']}", "dtype=float32",
+        f"out_dir={out.name}", f"model={spec['model']}", "dtype=float32",
         *(["autocast=bfloat16", "rollout.dtype=bfloat16"] if spec["precision"] == "bf16" else ["autocast=none"]),
         "rollout.mode=direct", "rollout.max_turns=0", f"rollout.max_tokens_per_turn={spec['max_tokens']}",
         "rollout.temperature=1.0", f"train.iterations={spec['steps']}",
@@ -129,6 +132,7 @@ def ours_side(spec: dict) -> dict:
                            if key.startswith("time/") and key.endswith("_s") and key != "time/iteration_s"})
     finally:
         backend.close()
+        out.cleanup()
     prompt_tokens = [len(prompt_ids(tokenizer, text)) for text in spec["prompts"]]
     return {"step_s": steps, "completion_tokens": lengths, "phases_s": phases, "engine": cfg.rollout.backend,
             "parameters": sum(p.numel() for p in policy.parameters()),
@@ -253,7 +257,8 @@ def main() -> None:
     ours, trl = summary(runs["ours"]), summary(runs["trl"])
     machine = machine_bounds(4 * runs["ours"][0]["parameters"])
     print(json.dumps({"benchmark": "vs_trl", "cpu": os.uname().machine, "torch_threads": os.cpu_count(),
-                      "settings": {k: spec[k] for k in ("steps", "prompts_per_step", "rollouts", "max_tokens", "precision")},
+                      "settings": {k: spec[k] for k in
+                                   ("steps", "prompts_per_step", "rollouts", "max_tokens", "precision")},
                       "trl": {"version": versions[0], "transformers": versions[1], "torch": versions[2], **trl},
                       "ours": {"engine": runs["ours"][0]["engine"], **ours},
                       "ours_over_trl": round(ours["median_step_s"] / trl["median_step_s"], 3),
