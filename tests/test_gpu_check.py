@@ -47,3 +47,21 @@ def test_gpu_checks_fail_without_cuda(script, tmp_path):
     assert out.returncode != 0
     assert json.loads(out.stdout.strip().splitlines()[0])["error"] == "torch sees no CUDA device"
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_train_step_compares_row_and_token_budget_micro_batches_with_the_same_loss():
+    tiny = ["--device", "cpu", "--vocab", "4096", "--hidden", "64", "--heads", "4", "--layers", "2",
+            "--trajectories", "6", "--micro", "1", "--prompt-tokens", "16", "--turns", "3", "--turn-tokens", "24",
+            "--obs-tokens", "16", "--steps", "1", "--autocast", "none", "--micro-batch-tokens", "both",
+            "--token-budget", "256"]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *tiny], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800, check=False)  # a hang guard
+    assert out.returncode == 0, out.stderr
+    both = json.loads(out.stdout.strip())
+    rows, tokens = both["rows"], both["tokens"]
+    assert both["benchmark"] == "train_step_token_budget"
+    assert (rows["micro_batch_tokens"], tokens["micro_batch_tokens"]) == (0, 256)
+    assert rows["tokens"] == tokens["tokens"] and rows["model_tokens"] == tokens["model_tokens"]
+    assert abs(rows["loss"] - tokens["loss"]) <= 1e-5  # the same objective, cut differently
+    assert rows["model_tflops_per_s"] > 0 and tokens["model_tflops_per_s"] > 0
+    assert both["tokens_per_s_tokens_over_rows"] > 0
