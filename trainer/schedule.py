@@ -29,7 +29,8 @@ def adamw(params: list[torch.nn.Parameter], *, lr: float, betas: tuple[float, fl
     """AdamW, fused into one kernel over all parameters where torch has one for them (floating tensors on CPU or CUDA,
     none of them sharded DTensors). On 2 CPU cores a step over SmolLM2-135M's parameters takes 0.44 s fused against
     1.40 s one tensor at a time (torch's CPU default), a fifth of a GRPO update there (docs/benchmarks.md); the two
-    differ by rounding only (at most 1e-9 in the parameters after a step there)."""
+    differ by rounding only (at most 1e-9 in the parameters after a step there). RL only: SFT keeps the per-tensor
+    step (trainer/run/sft.py)."""
     from torch.distributed.tensor import DTensor
 
     fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() and not isinstance(p, DTensor)

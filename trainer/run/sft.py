@@ -25,7 +25,6 @@ from trainer.run.metrics_log import RunLogger
 from trainer.run.sampler import PromptSampler
 from trainer.run.checkpoint import Checkpoint, rng_state, save_checkpoint
 from trainer.config import TrainConfig
-from trainer.schedule import adamw
 from trainer.kl import gather_logprobs
 from trainer.learner.learner import micro_batch_shares, micro_batches
 
@@ -41,7 +40,10 @@ class SFTTrainer:
             raise ValueError("no demonstrations to train on")
         self.cfg, self.policy, self.pad_id = cfg, policy, pad_id
         s = cfg.sft
-        self.optimizer = adamw(list(policy.parameters()), lr=s.lr, betas=cfg.train.betas, weight_decay=s.weight_decay)
+        # Per-tensor AdamW, not trainer.schedule.adamw's fused one: an SFT start is identified by its weights' sha256
+        # (the studies' start rules, `emapg compare`'s resume), and the fused step rounds differently.
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=s.lr, betas=cfg.train.betas,
+                                           weight_decay=s.weight_decay)
         self.scheduler = get_constant_schedule_with_warmup(self.optimizer, s.warmup_steps)
         self.sampler = PromptSampler(demonstrations, cfg.seed)  # seeded epochs over the demonstrations
         self.steps = math.ceil(len(demonstrations) * s.epochs / s.batch_size)
