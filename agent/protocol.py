@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from data.corpus import split_contents
-from retriever.client import Hit
+
+if TYPE_CHECKING:  # an annotation only: the protocol stays importable with the standard library alone (a TRL env)
+    from retriever.client import Hit
 
 SEARCH_STOP = "</search>"
 ANSWER_STOP = "</answer>"

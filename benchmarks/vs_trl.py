@@ -39,15 +39,12 @@ LR = 1e-6
 
 
 def exact_match_reward(completions: list[str], golden: list[list[str]]) -> list[float]:
-    """Our reward for a one-turn completion: EM (eval/metrics.py) of its last <answer>, as agent.protocol's
-    extract_answer finds it (that module needs our dependencies, which TRL's environment has not)."""
-    import re
-
+    """Our reward for a one-turn completion: EM (eval/metrics.py) of its last <answer> (agent/protocol.py). Both
+    modules need only the standard library, so TRL's environment imports them from this checkout."""
+    from agent.protocol import extract_answer
     from eval.metrics import exact_match
 
-    answers = [re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL) for text in completions]
-    return [exact_match(found[-1].strip() if found else None, gold)
-            for found, gold in zip(answers, golden, strict=True)]
+    return [exact_match(extract_answer([text]), gold) for text, gold in zip(completions, golden, strict=True)]
 
 
 def trl_side(spec: dict) -> dict:

@@ -1,19 +1,28 @@
-"""benchmarks/vs_trl.py's pieces that decide its numbers, without TRL: the reward TRL's side scores with is ours
-(restated there because TRL's environment lacks our dependencies), and the phases are set against the bounds the
-docstring names."""
+"""benchmarks/vs_trl.py's pieces that decide its numbers, without TRL: the reward TRL's side scores with is ours, and
+importable with the standard library alone (TRL's environment has none of our dependencies); the phases are set
+against the bounds the docstring names."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import vs_trl  # noqa: E402
 
 from agent.protocol import extract_answer  # noqa: E402
 from eval.metrics import exact_match  # noqa: E402
+
+
+def test_the_reward_imports_with_the_standard_library_alone():
+    code = ("import sys; sys.modules.update(dict.fromkeys(['httpx', 'torch', 'numpy', 'pydantic', 'transformers']));"
+            "from agent.protocol import extract_answer; from eval.metrics import exact_match")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr  # None in sys.modules makes any import of those packages fail
 
 
 def test_trl_sides_reward_is_our_exact_match_of_the_last_answer():
