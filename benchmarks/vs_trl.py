@@ -4,7 +4,8 @@
     python benchmarks/vs_trl.py --trl-python .venv-trl/bin/python [--steps 6] [--rounds 2]
 
 The same model (the packaged SmolLM2-135M-Instruct, the same safetensors folder), the same questions (the first
---prompts x --steps NQ dev questions, in order, so both train on the same prompts), the same prompt text (our direct
+--prompts x --steps NQ dev questions, TRL's listed in the order our seeded sampler draws them, so that both sides'
+step i trains on the same prompts), the same prompt text (our direct
 instruction through the chat template), --rollouts samples a prompt at temperature 1, at most --max-tokens tokens,
 one answer turn (no search), the same reward (exact match of the last <answer>), the same precision on both sides
 (--precision fp32: fp32 weights and passes; bf16: fp32 master weights, bf16 autocast in the learner's passes and bf16
@@ -253,7 +254,9 @@ def main() -> None:
                 runs[side].append(run_side(python, side, spec_path))
     ours, trl = summary(runs["ours"]), summary(runs["trl"])
     machine = machine_bounds(4 * runs["ours"][0]["parameters"])
-    print(json.dumps({"benchmark": "vs_trl", "cpu": os.uname().machine, "torch_threads": os.cpu_count(),
+    from train_step import device_name  # this folder's; imported here, where our dependencies are
+
+    print(json.dumps({"benchmark": "vs_trl", "cpu": device_name("cpu"), "cores": os.cpu_count(),
                       "settings": {k: spec[k] for k in
                                    ("steps", "prompts_per_step", "rollouts", "max_tokens", "precision")},
                       "trl": {"version": versions[0], "transformers": versions[1], "torch": versions[2], **trl},
