@@ -13,7 +13,8 @@ from eval.metrics import normalize_answer
 from eval.seed_stats import bootstrap_interval, holm, sign_flip_p
 from experiments.mechanism.analysis import mean_ci, paired, summarise
 from experiments.mechanism.cell import curve_summary, smoothed
-from experiments.mechanism.kb import HOPS, REWORDED, WORDINGS, KBSpec, generate_kb, load_questions, write_kb
+from experiments.mechanism.kb import (HOPS, REWORDED, WORDINGS, KBSpec, generate_kb, load_questions, read_kb,
+                                     write_kb)
 from experiments.mechanism.sweep import Cell, SweepSection, grid, study_config, train_overrides
 from trainer.config import load_config
 
@@ -71,6 +72,16 @@ def test_corpus_is_search_r1_jsonl_and_questions_follow_the_kb(kb_dir):
                 assert q.bridge in by_title[q.queries[0]] and q.queries[1] == q.bridge
     ids = [q.example.id for q in load_questions(kb_dir / "questions-train.jsonl")]
     assert len(set(ids)) == len(ids)
+
+
+def test_read_kb_remakes_the_written_kb_and_refuses_other_relations(kb_dir, tmp_path):
+    assert read_kb(kb_dir) == generate_kb(SPEC)
+    saved = json.loads((kb_dir / "kb.json").read_text())
+    person = next(iter(saved["born_in"]))
+    saved["born_in"][person] = "0000"
+    (tmp_path / "kb.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="relations are not those its spec generates"):
+        read_kb(tmp_path)
 
 
 def wording(question) -> str:

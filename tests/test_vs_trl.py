@@ -4,18 +4,21 @@ against the bounds the docstring names."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import vs_trl  # noqa: E402
+from agent.protocol import extract_answer
+from eval.metrics import exact_match
 
-from agent.protocol import extract_answer  # noqa: E402
-from eval.metrics import exact_match  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+# The script loaded by path: putting benchmarks/ on sys.path would let its file names shadow modules for other tests.
+_spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+vs_trl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs_trl)
 
 
 def test_the_reward_imports_with_the_standard_library_alone():

@@ -143,6 +143,16 @@ def generate_kb(spec: KBSpec) -> KnowledgeBase:
                          [str(c) for c in train_cities], [str(c) for c in test_cities])
 
 
+def read_kb(folder: Path) -> KnowledgeBase:
+    """The KB that write_kb wrote into `folder`, made again from its saved spec; refused when the saved relations are
+    not what that spec generates (a KB from other code)."""
+    saved = json.loads((folder / "kb.json").read_text())
+    kb = generate_kb(KBSpec(**{**saved["spec"], "mix": tuple(saved["spec"]["mix"])}))
+    if (kb.born_in, kb.country_of) != (saved["born_in"], saved["country_of"]):
+        raise ValueError(f"{folder}: kb.json's relations are not those its spec generates")
+    return kb
+
+
 def write_reworded(kb: KnowledgeBase, out: Path) -> Path:
     """questions-reworded.jsonl: spec.test_questions test-split questions in the REWORDED wordings, drawn from a
     generator of their own (the train and test files do not change when this one is added to an older KB)."""

@@ -61,7 +61,7 @@ def main(
     """Build the KB, its FlashRAG-format sets and BM25 index, and the SFT start of the two-hop study."""
     from agent.policy import load_policy, load_tokenizer
     from experiments.mechanism.demos import answerable, build_demonstrations
-    from experiments.mechanism.kb import KBSpec, generate_kb, load_questions, write_kb, write_reworded
+    from experiments.mechanism.kb import KBSpec, generate_kb, load_questions, read_kb, write_kb, write_reworded
     from retriever.bm25 import build_bm25_index
     from retriever.client import RetrieverClient
     from retriever.process import running_server
@@ -74,12 +74,10 @@ def main(
     if not (out / "kb" / "kb.json").exists():
         write_kb(generate_kb(KBSpec()), out / "kb")
     if not (out / "kb" / "questions-reworded.jsonl").exists():  # a KB made before the set existed
-        saved = json.loads((out / "kb" / "kb.json").read_text())
-        kb = generate_kb(KBSpec(**{**saved["spec"], "mix": tuple(saved["spec"]["mix"])}))
-        if (kb.born_in, kb.country_of) != (saved["born_in"], saved["country_of"]):
-            raise SystemExit(f"{out / 'kb'}: kb.json's relations are not those its spec generates; cannot add the "
-                             "reworded questions to it")
-        write_reworded(kb, out / "kb")
+        try:
+            write_reworded(read_kb(out / "kb"), out / "kb")
+        except ValueError as e:
+            raise SystemExit(f"{e}; cannot add the reworded questions to it") from e
     if not (out / "index" / "manifest.json").exists():
         build_bm25_index(out / "kb" / "corpus.jsonl", out / "index", overwrite=True)
     tokenizer = load_tokenizer(cfg.model)
