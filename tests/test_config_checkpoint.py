@@ -15,6 +15,8 @@ from trainer.run.checkpoint import (
     load_checkpoint,
     optimizer_state_by_index,
     optimizer_state_by_name,
+    optimizer_state_for,
+    portable_optimizer_state,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -151,3 +153,27 @@ def test_optimizer_state_by_name_maps_to_torch_format_and_back():
     back = optimizer_state_by_name(by_index, names)
     assert back["param_groups"] == by_name["param_groups"]
     torch.testing.assert_close(back["state"], by_name["state"], rtol=0, atol=0)
+
+
+def test_a_portable_optimizer_state_resumes_with_the_live_optimizers_own_kernel():
+    """A checkpoint's AdamW state leaves out how the step runs: a state saved fused loads into a per-tensor
+    optimizer (FSDP's DTensors have no fused kernel) and stays per-tensor, a state from before fused AdamW
+    (fused None) loads into a fused one and stays fused, and the moments and step counts come through exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    fused = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model(torch.ones(2, 4)).square().sum().backward()
+    fused.step()
+    saved = portable_optimizer_state(fused.state_dict())
+    assert all("fused" not in group and "foreach" not in group for group in saved["param_groups"])
+
+    per_tensor = torch.optim.AdamW(model.parameters(), lr=0.1)
+    per_tensor.load_state_dict(optimizer_state_for(per_tensor, saved))
+    assert per_tensor.param_groups[0]["fused"] is None
+    torch.testing.assert_close(per_tensor.state_dict()["state"], fused.state_dict()["state"], rtol=0, atol=0)
+
+    older = per_tensor.state_dict()  # what a checkpoint from before fused AdamW holds: fused None
+    again = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    again.load_state_dict(optimizer_state_for(again, older))
+    assert again.param_groups[0]["fused"] is True
+    torch.testing.assert_close(again.state_dict()["state"], fused.state_dict()["state"], rtol=0, atol=0)

@@ -206,6 +206,26 @@ def load_checkpoint(path: Path) -> Checkpoint:
     )
 
 
+# How torch runs AdamW's step, not what it computes. Checkpoints leave them out and a load keeps the live optimizer's
+# own: a state saved fused (one process) resumes sharded (FSDP's DTensors have no fused kernel) and the reverse, and
+# a checkpoint from before fused AdamW resumes fused.
+OPTIMIZER_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def portable_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict without the implementation flags of its parameter groups."""
+    return {"state": state["state"],
+            "param_groups": [{key: value for key, value in group.items() if key not in OPTIMIZER_IMPLEMENTATION}
+                             for group in state["param_groups"]]}
+
+
+def optimizer_state_for(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with `optimizer`'s own implementation flags, group by group, ready for its `load_state_dict`."""
+    return {"state": state["state"],
+            "param_groups": [{**saved, **{key: live[key] for key in OPTIMIZER_IMPLEMENTATION if key in live}}
+                             for live, saved in zip(optimizer.param_groups, state["param_groups"])]}
+
+
 def optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """An optimizer state keyed by parameter name (torch.distributed.checkpoint's full state dict, what FSDP gives)
     in torch's own format, keyed by the parameter's position in `names` (the model's `named_parameters()` order, the

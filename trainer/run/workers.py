@@ -20,7 +20,13 @@ from agent.trajectory import Trajectory
 from data.qa import QAExample
 from trainer.learner.batch import RolloutBatch
 from trainer.run.metrics_log import merge_metrics
-from trainer.run.checkpoint import load_policy_weights, optimizer_state_by_index, optimizer_state_by_name
+from trainer.run.checkpoint import (
+    load_policy_weights,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    optimizer_state_for,
+    portable_optimizer_state,
+)
 from trainer.config import TrainConfig
 from trainer.learner.data_parallel import fsdp_logits
 from trainer.ema import anchor_weights_in, ema_anchor, should_update_ema
@@ -134,7 +140,8 @@ class PolicyTrainer:
         the others empty dicts."""
         if not self.sharded:
             return {"policy": policy_checkpoint_state(self.policy), "anchor": self.anchor.state_dict(),  # LoRA: adapters
-                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+                    "optimizer": portable_optimizer_state(self.optimizer.state_dict()),
+                    "scheduler": self.scheduler.state_dict()}
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -146,7 +153,8 @@ class PolicyTrainer:
         optimizer = get_optimizer_state_dict(self.policy, self.optimizer, options=full)
         return {"policy": get_model_state_dict(self.policy, options=full),
                 "anchor": {name: anchor[name] for name in self.anchor.state_dict()} if anchor else {},
-                "optimizer": optimizer_state_by_index(optimizer, self.parameter_names) if optimizer else {},
+                "optimizer": (portable_optimizer_state(optimizer_state_by_index(optimizer, self.parameter_names))
+                              if optimizer else {}),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state(self, state: dict) -> None:
@@ -154,7 +162,7 @@ class PolicyTrainer:
         if not self.sharded:
             load_policy_checkpoint_state(self.policy, state["policy"])
             self.anchor.load_state_dict(state["anchor"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optimizer_state_for(self.optimizer, state["optimizer"]))
         else:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -168,7 +176,8 @@ class PolicyTrainer:
             set_model_state_dict(self.anchor.module, state["anchor"], options=StateDictOptions(full_state_dict=True,
                                                                                               strict=False))
             set_optimizer_state_dict(self.policy, self.optimizer,
-                                     optimizer_state_by_name(state["optimizer"], self.parameter_names), options=full)
+                                     optimizer_state_by_name(optimizer_state_for(self.optimizer, state["optimizer"]),
+                                                             self.parameter_names), options=full)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def init_from(self, path: Path) -> None:
