@@ -31,7 +31,7 @@ from emapg.session import Session, open_session
 from emapg.workflow import build_sft_data, console, eval_examples, print_iteration, run_sft, train_examples
 from eval.paired import paired_em, per_question_em
 from eval.report import EvalReport, plot_methods, pooled
-from trainer.run.metrics_log import read_metrics
+from trainer.run.metrics_log import current_history, read_metrics
 from trainer.methods import METHODS
 
 SFT = "SFT"
@@ -145,17 +145,12 @@ def run_variant(session: Session, cfg, name: str, sft_weights, train, test, star
     return points, anchor
 
 
-def last_per_iteration(metrics: list[dict]) -> list[dict]:
-    """A resumed run logs the iterations after its checkpoint again: keep each iteration's latest line."""
-    return sorted({m["iteration"]: m for m in metrics}.values(), key=lambda m: m["iteration"])
-
-
-def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]],
+def work_minutes(logged: dict[str, list[dict]], held_out: dict[str, list[tuple[int, dict]]],
                  anchors: dict[str, dict] | None = None) -> float:
     """Training and evaluation time summed from the logs, which count the work of an interrupted earlier run too
     (a resumed run's wall time does not): every iteration's timed phases and every distinct evaluation (the
     anchors' included)."""
-    training = sum(value for metrics in curves.values() for m in metrics
+    training = sum(value for metrics in logged.values() for m in metrics
                    for key, value in m.items() if key.startswith("time/"))
     # Every variant's points start with the same SFT evaluation: count it once.
     start = next(iter(held_out.values()))[0][1]["seconds"]
@@ -167,7 +162,7 @@ def work_minutes(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
 def adamw_steps(metrics: list[dict]) -> int:
     """Optimizer steps a method took (its logged iterations, a resumed run's replays counted once; steps the guard
     skipped are not steps)."""
-    return sum(m["loss/optimizer_steps"] for m in last_per_iteration(metrics))
+    return sum(m["loss/optimizer_steps"] for m in current_history(metrics))
 
 
 def comparison_pairs(methods: list[str], anchors: list[str]) -> list[tuple[str, str]]:
@@ -320,7 +315,8 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     out = cfg.run_dir
     methods = list(held_out)
     runs = {name: variant_config(cfg, name) for name in methods}
-    curves = {name: last_per_iteration(read_metrics(vcfg.run_dir / "metrics.jsonl")) for name, vcfg in runs.items()}
+    logged = {name: read_metrics(vcfg.run_dir / "metrics.jsonl") for name, vcfg in runs.items()}  # every attempt's
+    curves = {name: current_history(rows) for name, rows in logged.items()}
     steps = {name: adamw_steps(metrics) for name, metrics in curves.items()}
     # The final evaluations, paired on the same questions: model -> (iteration, pooled row, its folder).
     finals = {SFT: (0, held_out[methods[0]][0][1], sft_eval or out / "eval-sft")}
@@ -332,7 +328,7 @@ def write_report(cfg, init: Path, held_out: dict[str, list[tuple[int, dict]]], a
     correct = {model: per_question_em(folder) for model, (_, _, folder) in finals.items()}
     paired_lines, paired_rows = paired_section(correct, comparison_pairs(methods, list(anchors)))
     lines = [(f"From `{init}`; held-out: {questions} questions; wall time {wall_minutes:.0f} min (this run); "
-              f"training and evaluation {work_minutes(curves, held_out, anchors):.0f} min (all runs, from the logs; "
+              f"training and evaluation {work_minutes(logged, held_out, anchors):.0f} min (all runs, from the logs; "
               "SFT not counted)."), "",
              "| method | iteration | held-out EM | 95% CI | valid format | mean reward, last 5 iterations |",
              "|---|---|---|---|---|---|"]

@@ -25,7 +25,7 @@ RETRIEVAL_CHECK = ["who wrote pride and prejudice", "what is the capital of aust
 
 
 def run_demo(cfg) -> Path:
-    from trainer.run.metrics_log import read_metrics
+    from trainer.run.metrics_log import current_history, read_metrics
     from trainer.run.guard import events_markdown, read_events
     from trainer.run.loop import Trainer
     from trainer.run.wandb_logger import attach_run_reports
@@ -83,7 +83,8 @@ def run_demo(cfg) -> Path:
     (out / "report.json").write_text(json.dumps(
         {"stages": {name: pooled(r) for name, r in stages.items()}, "timings_s": timings,
          "guard_events": read_events(out), "config": cfg.model_dump(mode="json")}, indent=2))
-    plot_curves(read_metrics(out / "metrics.jsonl"), read_metrics(cfg.sft_dir / "metrics.jsonl"), out / "curves.png")
+    plot_curves(current_history(read_metrics(out / "metrics.jsonl")),
+                current_history(read_metrics(cfg.sft_dir / "metrics.jsonl")), out / "curves.png")
     plot_stages(stages, out / "em.png")
     attach_run_reports(cfg, [out / name for name in ("report.md", "report.json", "curves.png", "em.png")]
                        + sorted(out.glob("eval-*/report.*")) + sorted(out.glob("eval-*/em.png")))

@@ -31,6 +31,7 @@ from pathlib import Path
 from agent.diagnostics import repeated_searches
 from agent.trajectory import Trajectory, load_jsonl
 from eval.metrics import exact_match
+from trainer.run.metrics_log import current_history
 
 STATIC = Path(__file__).parent / "static" / "view"
 DEFAULT_PORT = 8050
@@ -105,6 +106,8 @@ def metric_series(path: Path) -> dict:
     """Every numeric series of a metrics.jsonl by iteration (missing or non-finite values as None), and the keys
     matching PREFERRED_SERIES in that order."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if all("iteration" in row for row in rows):  # a resumed run's repeated iterations: its history now
+        rows = current_history(rows)
     keys = list(dict.fromkeys(k for row in rows for k, v in row.items()
                               if k != "iteration" and isinstance(v, int | float) and not isinstance(v, bool)))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from emapg.compare import last_per_iteration, work_minutes
+from emapg.compare import work_minutes
 from eval.report import DatasetResult, EvalReport, pooled, stages_markdown, wilson_interval
 
 
@@ -29,11 +29,6 @@ def test_saved_report_loads_back_equal(tmp_path):
     assert EvalReport.load(tmp_path / "report.json") == report  # what a resumed `make compare` reuses
 
 
-def test_a_resumed_runs_repeated_iterations_keep_their_last_line():
-    logged = [{"iteration": 1, "reward": 0.1}, {"iteration": 2, "reward": 0.2}, {"iteration": 3, "reward": 0.3},
-              {"iteration": 2, "reward": 0.25}, {"iteration": 3, "reward": 0.35}]  # resumed from iteration 1
-    assert last_per_iteration(logged) == [{"iteration": 1, "reward": 0.1}, {"iteration": 2, "reward": 0.25},
-                                          {"iteration": 3, "reward": 0.35}]
 
 
 def test_work_minutes_sum_every_timed_phase_and_count_the_shared_start_once():

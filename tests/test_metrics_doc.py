@@ -13,7 +13,14 @@ import pytest
 from test_learner import ragged_trajectories
 from test_training import make_trainer, tiny_config
 
-from trainer.run.metrics_log import FLAT_NAMES, NAMESPACES, merge_metrics, namespaced, read_metrics
+from trainer.run.metrics_log import (
+    FLAT_NAMES,
+    NAMESPACES,
+    current_history,
+    merge_metrics,
+    namespaced,
+    read_metrics,
+)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -99,3 +106,19 @@ def test_read_metrics_reads_an_older_flat_log_under_the_new_names(tmp_path):
     assert read_metrics(path) == [{"iteration": 1, "rollout/reward": 0.25, "kl/anchor": 0.01, "time/rollout_s": 60.0},
                                   {"iteration": 2, "rollout/reward": 0.5, "kl/grad_share": 0.002}]
     assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_current_history_is_the_runs_last_attempt_from_each_checkpoint_it_resumed():
+    """Rows as a run logs them across attempts, each tagged with its attempt: a reached iteration 6 and was killed;
+    b resumed from the checkpoint at 4 and logged 5; c, a guard's rollback to the checkpoint at 2, logged 3-4; d went
+    on to 5. The history is the attempt that went on from each point; no row of an abandoned attempt stays (keeping
+    each iteration's last row would keep a's 6)."""
+    def rows(attempt, iterations):
+        return [{"iteration": i, "attempt": attempt} for i in iterations]
+
+    assert current_history(rows("a", [1, 2, 3])) == rows("a", [1, 2, 3])
+    logged = rows("a", [1, 2, 3, 4, 5, 6]) + rows("b", [5]) + rows("c", [3, 4]) + rows("d", [5])
+    assert current_history(logged) == rows("a", [1, 2]) + rows("c", [3, 4]) + rows("d", [5])
+    # Started over from nothing (no checkpoint yet) in the same folder: only the new attempt.
+    assert current_history(rows("a", [1, 2]) + rows("b", [1, 2, 3])) == rows("b", [1, 2, 3])
+    assert current_history([]) == []

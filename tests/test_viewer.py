@@ -292,6 +292,15 @@ def test_metric_series_match_preferred_keys_by_suffix(tmp_path):
     assert data["series"]["rollout/reward"] == [0.5, None] and "note" not in data["series"]
 
 
+def test_a_resumed_runs_plot_is_its_history_not_every_attempt(tmp_path):
+    """Killed after iteration 3, resumed from the checkpoint at 1: the plot runs 1, 2, 3 once, the resumed values."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps({"iteration": i, "rollout/reward": r})
+                              for i, r in [(1, 0.1), (2, 0.2), (3, 0.3), (2, 0.25), (3, 0.35)]))
+    data = metric_series(path)
+    assert data["iteration"] == [1, 2, 3] and data["series"]["rollout/reward"] == [0.1, 0.25, 0.35]
+
+
 def metric_series_keys_of(row: dict, tmp_path: Path) -> list[str]:
     path = tmp_path / "flat.jsonl"
     path.write_text(json.dumps({"iteration": 1, **row}))

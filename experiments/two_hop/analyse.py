@@ -5,7 +5,8 @@
 
 Reads what `emapg compare --seeds` writes in <out>/two-hop (emapg/compare.py):
     eval-sft/                               the SFT start's evaluation (shared by every arm and seed)
-    seed-<s>/<arm, lower case>/metrics.jsonl  one line per iteration (a resumed run repeats some: the last counts)
+    seed-<s>/<arm, lower case>/metrics.jsonl  one line per iteration (a resumed run repeats some; read
+                                            through trainer.run.metrics_log.current_history)
     seed-<s>/<arm>/eval-<iteration:04d>/    report.json + trajectories/kb-2hop.agent.jsonl (eval/harness.py)
     seed-<s>/<arm>/eval-anchor-<iteration>/ the EMA arms' anchors (counted in machine time only)
 and the KB's test questions, with their bridge city, in <out>/kb/questions-test.jsonl.
@@ -36,13 +37,12 @@ import typer
 from agent.diagnostics import repeated_search_rates
 from agent.trajectory import Trajectory, load_jsonl
 from data.qa import normalize_question
-from emapg.compare import last_per_iteration
 from eval.report import EvalReport
 from eval.seed_report import PLAN_FILE, read_plan
 from eval.seed_stats import format_p, mean_interval, paired_seeds
 from experiments.two_hop.calibrate import mean_share
 from trainer.methods import STUDIES
-from trainer.run.metrics_log import read_metrics
+from trainer.run.metrics_log import current_history, read_metrics
 
 app = typer.Typer(add_completion=False)
 
@@ -117,7 +117,7 @@ def search_outcomes(trajectories: list[Trajectory], bridges: dict[str, str]) -> 
 def mean_grad_share(metrics: list[dict]) -> float | None:
     """kl/grad_share averaged over iterations KL_FROM.. (each iteration's last line), leaving out those without a
     policy gradient (an infinite share) as the calibration does; None when no such share is logged."""
-    shares = [m["kl/grad_share"] for m in last_per_iteration(metrics)
+    shares = [m["kl/grad_share"] for m in current_history(metrics)
               if m["iteration"] >= KL_FROM and m.get("kl/grad_share") is not None]
     value = mean_share(shares)
     return None if math.isnan(value) else value
@@ -125,7 +125,7 @@ def mean_grad_share(metrics: list[dict]) -> float | None:
 
 def finite_grad_shares(metrics: list[dict]) -> list[tuple[int, float]]:
     """(iteration, kl/grad_share) for each iteration with a policy gradient (a finite share), its last line."""
-    return [(m["iteration"], m["kl/grad_share"]) for m in last_per_iteration(metrics)
+    return [(m["iteration"], m["kl/grad_share"]) for m in current_history(metrics)
             if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
 
 
@@ -137,7 +137,7 @@ def finite_grad_share_count(metrics: list[dict]) -> int:
 
 def reward_curve(metrics: list[dict]) -> list[tuple[int, float]]:
     """(iteration, train reward) for each logged iteration, its last line."""
-    return [(m["iteration"], m["rollout/reward"]) for m in last_per_iteration(metrics) if "rollout/reward" in m]
+    return [(m["iteration"], m["rollout/reward"]) for m in current_history(metrics) if "rollout/reward" in m]
 
 
 def training_seconds(metrics: list[dict]) -> float:
@@ -264,7 +264,7 @@ def collect(out: Path, iterations: int) -> dict:
             metrics = read_metrics(folder / "metrics.jsonl")
             final = final_eval_dir(folder, iterations)
             row = {"arm": arm, "seed": seed, "finished": is_finished(final), "started": folder.exists(),
-                   "iterations_logged": len(last_per_iteration(metrics)),
+                   "iterations_logged": len(current_history(metrics)),
                    "training_s": training_seconds(metrics), "evaluation_s": evaluation_seconds(folder),
                    **learning_speed(metrics, early=iterations // 2)}
             if row["finished"]:

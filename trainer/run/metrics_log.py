@@ -98,6 +98,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [{FLAT_NAMES.get(key, key): value for key, value in row.items()} for row in rows]
 
 
+def current_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run's rows as its history now, one per iteration, in order. A run resumed from a checkpoint, or rolled back
+    to one by the guard, logs the iterations after that checkpoint again, so a row for an iteration at or before the
+    last one read starts the history over from it (rows of an abandoned attempt past the resumed run's latest
+    iteration go too, which keeping each iteration's last row would not do). metrics.jsonl itself keeps every row:
+    the work of abandoned attempts is counted from them."""
+    history: list[dict[str, Any]] = []
+    for row in rows:
+        while history and history[-1]["iteration"] >= row["iteration"]:
+            history.pop()
+        history.append(row)
+    return history
+
+
 class RunLogger:
     """Per-iteration metrics to `metrics.jsonl`, TensorBoard (`tb/`) and, given a `cfg` whose logging.wandb.mode is
     not disabled, Weights & Biases (`wandb/`, with the run's config; trainer/run/wandb_logger.py)."""
