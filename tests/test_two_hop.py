@@ -3,7 +3,10 @@ run uses, the primary set holds the two-hop questions only, and the config reads
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from data.qa import load_flashrag
 from experiments.mechanism.kb import KBSpec, generate_kb
@@ -58,3 +61,40 @@ def test_calibration_reads_iterations_2_to_5_and_their_last_line_and_leaves_out_
     assert mean_share([0.2, math.inf, 0.4, math.inf]) == 0.30000000000000004
     assert math.isnan(mean_share([math.inf] * 4))
     assert choose_beta({0.01: math.nan, 0.1: 0.5, 0.3: 2.0})[0] == 0.1  # a candidate with no finite share is out
+
+
+
+def write_evaluation(folder, em_2hop: float) -> None:
+    folder.mkdir(parents=True)
+    results = [{"dataset": "kb-2hop", "em": em_2hop}, {"dataset": "kb-reworded", "em": 0.5}]
+    (folder / "report.json").write_text(json.dumps({"results": results}))
+
+
+HELD = [0.6, 0.9, 1.0, 1.0, 1.0, 1.0, 0.95, 1.0]
+FELL = [0.6, 0.9, 1.0, 0.1, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("rewards, last_em, abandoned, broke", [
+    (HELD, 1.0, [], False),
+    (HELD, 0.4, [], True),  # did not learn: below the start's 0 + 0.5
+    (FELL, 1.0, [], True),  # collapsed: smoothed reward ends below half its peak
+    ([0.2] * 8, 0.9, [1.0, 1.0, 1.0], False),  # the abandoned attempt's peak would have made it a collapse
+])
+def test_the_pilot_verdict_applies_the_plans_rule(tmp_path, rewards, last_em, abandoned, broke):
+    """A pilot run's folder as compare writes it: metrics (an abandoned attempt's rows first), evaluations at
+    iterations 4 and 8, an EMA arm's anchor evaluation beside them (not read), the SFT start's (kb-2hop 0)."""
+    from experiments.two_hop.verdict import pilot_verdict
+
+    run = tmp_path / "two-hop" / "grpo-k3c"
+    run.mkdir(parents=True)
+    rows = [{"iteration": i, "rollout/reward": r, "loss/total": 0.1} for i, r in enumerate(abandoned, 1)]
+    rows += [{"iteration": i, "rollout/reward": r, "loss/total": 0.1} for i, r in enumerate(rewards, 1)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    write_evaluation(tmp_path / "two-hop" / "eval-sft", 0.0)
+    write_evaluation(run / "eval-0004", 1.0)
+    write_evaluation(run / "eval-0008", last_em)
+    write_evaluation(run / "eval-anchor-8", 1.0)
+
+    verdict = pilot_verdict(run)
+    assert verdict["broke"] is broke
+    assert verdict["iterations"] == 8 and verdict["last_evaluation"] == "eval-0008" and verdict["kb_2hop_em"] == last_em
