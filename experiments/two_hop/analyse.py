@@ -115,7 +115,7 @@ def search_outcomes(trajectories: list[Trajectory], bridges: dict[str, str]) -> 
 # --- pure functions over metrics -----------------------------------------------------------------------------
 
 def mean_grad_share(metrics: list[dict]) -> float | None:
-    """kl/grad_share averaged over iterations KL_FROM.. (each iteration's last line), leaving out those without a
+    """kl/grad_share averaged over iterations KL_FROM.. (the run's history), leaving out those without a
     policy gradient (an infinite share) as the calibration does; None when no such share is logged."""
     shares = [m["kl/grad_share"] for m in current_history(metrics)
               if m["iteration"] >= KL_FROM and m.get("kl/grad_share") is not None]
@@ -124,7 +124,7 @@ def mean_grad_share(metrics: list[dict]) -> float | None:
 
 
 def finite_grad_shares(metrics: list[dict]) -> list[tuple[int, float]]:
-    """(iteration, kl/grad_share) for each iteration with a policy gradient (a finite share), its last line."""
+    """(iteration, kl/grad_share) for each iteration with a policy gradient (a finite share), from the run's history."""
     return [(m["iteration"], m["kl/grad_share"]) for m in current_history(metrics)
             if m.get("kl/grad_share") is not None and math.isfinite(m["kl/grad_share"])]
 
@@ -136,7 +136,7 @@ def finite_grad_share_count(metrics: list[dict]) -> int:
 
 
 def reward_curve(metrics: list[dict]) -> list[tuple[int, float]]:
-    """(iteration, train reward) for each logged iteration, its last line."""
+    """(iteration, train reward) for each iteration of the run's history."""
     return [(m["iteration"], m["rollout/reward"]) for m in current_history(metrics) if "rollout/reward" in m]
 
 
