@@ -65,9 +65,14 @@ def test_calibration_reads_iterations_2_to_5_and_their_last_line_and_leaves_out_
 
 
 def write_evaluation(folder, em_2hop: float) -> None:
-    folder.mkdir(parents=True)
-    results = [{"dataset": "kb-2hop", "em": em_2hop}, {"dataset": "kb-reworded", "em": 0.5}]
-    (folder / "report.json").write_text(json.dumps({"results": results}))
+    from eval.report import DatasetResult, EvalReport
+
+    def result(dataset: str, em: float) -> DatasetResult:
+        return DatasetResult(dataset=dataset, mode="agent", n=100, em=em, em_ci95=(em, em), cover_em=em, f1=em,
+                             answered=1.0, well_formed=1.0, text_cover_em=em, mean_searches=2.0, mean_turns=3.0,
+                             invalid_action_rate=0.0, mean_response_tokens=30.0, seconds=1.0)
+
+    EvalReport(model="m", subset="held-out", results=[result("kb-2hop", em_2hop), result("kb-reworded", 0.5)]).save(folder)
 
 
 HELD = [0.6, 0.9, 1.0, 1.0, 1.0, 1.0, 0.95, 1.0]

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from eval.report import EvalReport
 from experiments.mechanism.cell import all_finite, curve_summary
 from trainer.run.metrics_log import current_history, read_metrics
 
@@ -23,8 +24,8 @@ MARGIN = 0.5  # "fails to learn what every arm learned at 2e-5": below the start
 
 
 def primary_em(evaluation: Path) -> float:
-    report = json.loads((evaluation / "report.json").read_text())
-    return next(row["em"] for row in report["results"] if row["dataset"] == PRIMARY)
+    report = EvalReport.load(evaluation / "report.json")
+    return next(row.em for row in report.results if row.dataset == PRIMARY)
 
 
 def pilot_verdict(run: Path) -> dict:
