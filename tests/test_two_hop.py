@@ -72,7 +72,8 @@ def write_evaluation(folder, em_2hop: float) -> None:
                              answered=1.0, well_formed=1.0, text_cover_em=em, mean_searches=2.0, mean_turns=3.0,
                              invalid_action_rate=0.0, mean_response_tokens=30.0, seconds=1.0)
 
-    EvalReport(model="m", subset="held-out", results=[result("kb-2hop", em_2hop), result("kb-reworded", 0.5)]).save(folder)
+    results = [result("kb-2hop", em_2hop), result("kb-reworded", 0.5)]
+    EvalReport(model="m", subset="held-out", results=results).save(folder)
 
 
 HELD = [0.6, 0.9, 1.0, 1.0, 1.0, 1.0, 0.95, 1.0]
