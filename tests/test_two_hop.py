@@ -64,7 +64,7 @@ def test_calibration_reads_iterations_2_to_5_and_their_last_line_and_leaves_out_
 
 
 
-def write_evaluation(folder, em_2hop: float) -> None:
+def write_evaluation(folder, em_2hop: float, em_reworded: float = 0.5) -> None:
     from eval.report import DatasetResult, EvalReport
 
     def result(dataset: str, em: float) -> DatasetResult:
@@ -72,7 +72,7 @@ def write_evaluation(folder, em_2hop: float) -> None:
                              answered=1.0, well_formed=1.0, text_cover_em=em, mean_searches=2.0, mean_turns=3.0,
                              invalid_action_rate=0.0, mean_response_tokens=30.0, seconds=1.0)
 
-    results = [result("kb-2hop", em_2hop), result("kb-reworded", 0.5)]
+    results = [result("kb-2hop", em_2hop), result("kb-reworded", em_reworded)]
     EvalReport(model="m", subset="held-out", results=results).save(folder)
 
 
@@ -104,3 +104,48 @@ def test_the_pilot_verdict_applies_the_plans_rule(tmp_path, rewards, last_em, ab
     verdict = pilot_verdict(run)
     assert verdict["broke"] is broke
     assert verdict["iterations"] == 8 and verdict["last_evaluation"] == "eval-0008" and verdict["kb_2hop_em"] == last_em
+
+
+def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_finished(tmp_path):
+    """A block as `compare --seeds` writes it: the plan, the SFT start, seeds 201 and 202 finished by both arms, 203
+    by GRPO-k3c only (left out). The primary is the kb-2hop difference, the reworded set a secondary, collapses
+    counted by the rule on each run's history."""
+    from eval.seed_report import write_plan
+    from experiments.two_hop.study_b import analyse, markdown
+
+    run = tmp_path / "two-hop"
+    write_plan(run, ["SFT", "GRPO-k3c", "EMA-PG", "EMA-PG anchor"], [("EMA-PG", "GRPO-k3c")], [201, 202, 203])
+    write_evaluation(run / "eval-sft", 0.0, 0.58)
+    finished = {("grpo-k3c", 201): (FELL, 0.0, 0.0), ("ema-pg", 201): (HELD, 1.0, 0.9),
+                ("grpo-k3c", 202): (HELD, 0.5, 0.6), ("ema-pg", 202): (HELD, 1.0, 0.6), ("grpo-k3c", 203): (HELD, 1.0, 0.6)}
+    for (arm, seed), (rewards, em, reworded) in finished.items():
+        folder = run / f"seed-{seed}" / arm
+        folder.mkdir(parents=True)
+        rows = [{"iteration": i, "rollout/reward": r, "grad/pg_norm": float(i), "grad/kl_norm": 0.5}
+                for i, r in enumerate(rewards, 1)]
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+        write_evaluation(folder / "eval-0016", em, reworded)  # configs/two_hop.yaml's last iteration
+    (run / "seed-203" / "ema-pg").mkdir()  # started, not finished
+
+    result = analyse(run, iterations=16)
+    assert result["seeds"] == [201, 202] and result["unfinished_seeds"] == [203]
+    primary = result["primary"]
+    assert primary["differences"] == [1.0, 0.5] and primary["mean"] == 0.75
+    assert primary["p"] == 0.5  # of the 4 sign assignments, the observed and its mirror are as extreme
+    collapses, reworded = result["secondary"]
+    assert collapses["collapsed"] == {"EMA-PG": 0, "GRPO-k3c": 1} and collapses["p"] == 1.0
+    assert reworded["differences"] == pytest.approx([0.9, 0.0]) and reworded["p"] == 1.0
+    assert [row["holm_p"] for row in result["secondary"]] == [1.0, 1.0]
+    # grad/ means leave iteration 1 out: pg_norm over iterations 2-8 is 5 in every run
+    assert result["per_arm"]["EMA-PG"]["grad"]["grad/pg_norm"] == 5.0
+    assert result["per_arm"]["GRPO-k3c"]["grad"]["grad/zero_advantage_groups"] is None
+    assert "p = 0.5" in markdown(result)
+
+    from typer.testing import CliRunner
+
+    from experiments.two_hop.study_b import app
+
+    written = CliRunner().invoke(app, ["--run", str(run)])
+    assert written.exit_code == 0, written.output
+    assert json.loads((run / "study_b.json").read_text())["primary"]["mean"] == 0.75
+    assert (run / "em_per_seed.png").stat().st_size > 0 and (run / "train_reward.png").stat().st_size > 0

@@ -1,0 +1,227 @@
+"""Study B's Stage 2 analysis: the pre-registered block at the pilot's breaking rate (docs/study_b_plan.md, "Stage 2").
+Works on a block still running: only the seeds where every arm's final evaluation exists count, the rest are listed.
+
+    python -m experiments.two_hop.study_b --run artifacts/study-b/stage2/two-hop
+
+Reads what `emapg compare --seeds` writes (emapg/compare.py): <run>/plan.json, <run>/eval-sft/, and per seed and arm
+<run>/seed-<s>/<arm, lower case>/metrics.jsonl (read as the run's history: a resumed run logs iterations again) and
+eval-<iteration:04d>/report.json. compare's own seeds.md pools every evaluated question (the primary set and the
+generalisation set together): it is not the plan's primary, which is this file's.
+
+    primary      kb-2hop EM at the last iteration, EMA-PG - GRPO-k3c, paired by seed: exact two-sided sign-flip,
+                 mean with its 95% bootstrap interval (eval/seed_stats.py)
+    secondary    Holm over: collapse counts (exact McNemar on the paired indicators, the collapse rule of
+                 experiments/two_hop/verdict.py's curve_summary), kb-reworded EM (EMA-PG - GRPO-k3c, sign-flip),
+                 and with GRPO-floor run, kb-2hop EM EMA-PG - GRPO-floor
+    reported     per arm: EM on both sets, collapses, the grad/ probe's means (iterations 2 on: at 1 the anchor is the
+                 policy), the EMA anchor's final EM
+
+Writes <run>/study_b.md, study_b.json, em_per_seed.png and train_reward.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eval.paired import mcnemar_exact_p
+from eval.report import EvalReport
+from eval.seed_report import read_plan
+from eval.seed_stats import format_p, holm, mean_interval, paired_seeds
+from experiments.mechanism.cell import all_finite, curve_summary
+from experiments.two_hop.analyse import CONFIG, plot_per_arm
+from trainer.run.metrics_log import current_history, read_metrics
+
+PRIMARY, GENERALISATION = "kb-2hop", "kb-reworded"
+A, B = "EMA-PG", "GRPO-k3c"  # the primary difference: A - B
+FLOOR = "GRPO-floor"  # a third arm only if the budget allowed it
+GRAD_KEYS = ("grad/pg_norm", "grad/kl_norm", "grad/kl_pg_cosine", "grad/zero_advantage_groups")
+KL_FROM = 2  # at iteration 1 the anchor equals the policy: the KL gradient is float noise (docs/metrics.md)
+
+app = typer.Typer(add_completion=False)
+
+
+def dataset_em(evaluation: Path) -> dict[str, float]:
+    """dataset -> agent-mode EM of one evaluation folder."""
+    report = EvalReport.load(evaluation / "report.json")
+    return {row.dataset: row.em for row in report.results if row.mode == "agent"}
+
+
+def finite_mean(values: list[float]) -> float | None:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def run_outcome(run: Path, iterations: int) -> dict | None:
+    """One arm at one seed: its final EM on both sets, the collapse verdict and its train-reward curve; None while
+    the final evaluation is missing."""
+    final = run / f"eval-{iterations:04d}"
+    if not (final / "report.json").exists():
+        return None
+    em = dataset_em(final)
+    history = current_history(read_metrics(run / "metrics.jsonl"))
+    summary = curve_summary([row["rollout/reward"] for row in history], all_finite(history))
+    anchor = run / f"eval-anchor-{iterations:04d}"
+    grad = {key: finite_mean([row[key] for row in history if key in row and row["iteration"] >= KL_FROM])
+            for key in GRAD_KEYS}
+    return {"em": em[PRIMARY], "em_reworded": em[GENERALISATION], **summary, "grad": grad,
+            "anchor_em": dataset_em(anchor)[PRIMARY] if (anchor / "report.json").exists() else None,
+            "train_reward": [(row["iteration"], row["rollout/reward"]) for row in history]}
+
+
+def collect(run: Path, iterations: int) -> dict:
+    """Every arm at every declared seed (plan.json), the seeds where all arms finished, and the SFT start."""
+    plan = read_plan(run)
+    arms = [arm for arm in (B, A, FLOOR) if arm in plan["methods"]]
+    if A not in arms or B not in arms:
+        raise ValueError(f"{run / 'plan.json'}: Stage 2 needs {A} and {B}, the plan has {plan['methods']}")
+    outcomes = {arm: {seed: run_outcome(run / f"seed-{seed}" / arm.lower(), iterations) for seed in plan["seeds"]}
+                for arm in arms}
+    complete = [s for s in plan["seeds"] if all(outcomes[arm][s] is not None for arm in arms)]
+    sft = dataset_em(run / "eval-sft") if (run / "eval-sft" / "report.json").exists() else None
+    return {"arms": arms, "declared_seeds": plan["seeds"], "seeds": complete,
+            "unfinished_seeds": [s for s in plan["seeds"] if s not in complete], "sft": sft,
+            "outcomes": {arm: {s: o for s, o in per_seed.items() if s in complete} for arm, per_seed in outcomes.items()}}
+
+
+def seed_difference(outcomes: dict, a: str, b: str, key: str, seeds: list[int]) -> dict:
+    r = paired_seeds({s: outcomes[a][s][key] for s in seeds}, {s: outcomes[b][s][key] for s in seeds})
+    return {"name": f"{key}: {a} - {b}", "mean": r.mean, "ci": list(r.ci), "p": r.p_value, "wins": r.wins,
+            "losses": r.losses, "ties": r.ties, "smallest_possible_p": r.smallest_possible_p,
+            "differences": list(r.differences)}
+
+
+def collapse_test(outcomes: dict, seeds: list[int]) -> dict:
+    """Exact McNemar on the paired collapse indicators: seeds where only B collapsed against only A."""
+    only_b = sum(outcomes[B][s]["collapsed"] and not outcomes[A][s]["collapsed"] for s in seeds)
+    only_a = sum(outcomes[A][s]["collapsed"] and not outcomes[B][s]["collapsed"] for s in seeds)
+    return {"name": f"collapses: {A} vs {B}", "collapsed": {arm: sum(outcomes[arm][s]["collapsed"] for s in seeds)
+                                                           for arm in (A, B)},
+            "only_a": only_a, "only_b": only_b, "p": mcnemar_exact_p(only_a, only_b)}
+
+
+def analyse(run: Path, iterations: int) -> dict:
+    """The declared tests on the finished seeds (None while no seed has finished every arm)."""
+    result = collect(run, iterations)
+    seeds, outcomes = result["seeds"], result["outcomes"]
+    result["primary"] = seed_difference(outcomes, A, B, "em", seeds) if seeds else None
+    secondary = []
+    if seeds:
+        secondary = [collapse_test(outcomes, seeds), seed_difference(outcomes, A, B, "em_reworded", seeds)]
+        if FLOOR in result["arms"]:
+            secondary.append(seed_difference(outcomes, A, FLOOR, "em", seeds))
+        for row, adjusted in zip(secondary, holm([row["p"] for row in secondary]), strict=True):
+            row["holm_p"] = adjusted
+    result["secondary"] = secondary
+    result["per_arm"] = {}
+    for arm in result["arms"]:
+        runs = [outcomes[arm][s] for s in seeds]
+        summary = {}
+        for key in ("em", "em_reworded"):
+            mean, low, high = mean_interval([r[key] for r in runs]) if runs else (None, None, None)
+            summary[key] = {"mean": mean, "ci": [low, high]}
+        summary["collapsed"] = sum(r["collapsed"] for r in runs)
+        summary["grad"] = {key: finite_mean([r["grad"][key] for r in runs if r["grad"][key] is not None])
+                           for key in GRAD_KEYS}
+        result["per_arm"][arm] = summary
+    return result
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    seeds = result["seeds"]
+    lines = ["# Study B, Stage 2 (docs/study_b_plan.md)", "",
+             f"Declared seeds {result['declared_seeds']}; finished by every arm: {seeds or 'none'}; unfinished: "
+             f"{result['unfinished_seeds'] or 'none'}."]
+    if result["sft"] is not None:
+        lines.append(f"SFT start: {PRIMARY} EM {result['sft'][PRIMARY]:.3f}, {GENERALISATION} EM "
+                     f"{result['sft'][GENERALISATION]:.3f}.")
+    primary = result["primary"]
+    if primary is None:
+        return "\n".join(lines + ["", "No seed has finished every arm: nothing to test yet."]) + "\n"
+    lines += ["", f"**Primary** ({PRIMARY} EM at the last iteration, {A} - {B}, {len(seeds)} seeds): mean "
+              f"{primary['mean']:+.3f}, 95% CI [{primary['ci'][0]:+.3f}, {primary['ci'][1]:+.3f}], exact sign-flip "
+              f"p = {format_p(primary['p'])} (smallest possible {format_p(primary['smallest_possible_p'])}); "
+              f"wins/losses/ties {primary['wins']}/{primary['losses']}/{primary['ties']}.", "",
+              "| secondary | effect | p | Holm p |", "|---|---|---|---|"]
+    for row in result["secondary"]:
+        if "collapsed" in row:
+            effect = ", ".join(f"{arm} {n}/{len(seeds)}" for arm, n in row["collapsed"].items())
+        else:
+            effect = f"{row['mean']:+.3f} [{row['ci'][0]:+.3f}, {row['ci'][1]:+.3f}]"
+        lines.append(f"| {row['name']} | {effect} | {format_p(row['p'])} | {format_p(row['holm_p'])} |")
+    lines += ["", "| arm | seed | kb-2hop EM | kb-reworded EM | anchor kb-2hop EM | collapsed | smoothed final / peak "
+              "reward |", "|---|---|---|---|---|---|---|"]
+    for arm in result["arms"]:
+        for s in seeds:
+            o = result["outcomes"][arm][s]
+            lines.append(f"| {arm} | {s} | {o['em']:.3f} | {o['em_reworded']:.3f} | {number(o['anchor_em'])} | "
+                         f"{'yes' if o['collapsed'] else 'no'} | {o['final_train_reward']:.3f} / "
+                         f"{o['peak_train_reward']:.3f} |")
+    lines += ["", f"| arm | kb-2hop EM (95% CI) | kb-reworded EM (95% CI) | collapses | "
+              + " | ".join(GRAD_KEYS) + " |", "|---|---|---|---|" + "---|" * len(GRAD_KEYS)]
+    for arm, s in result["per_arm"].items():
+        cells = [f"{number(s[k]['mean'])} [{number(s[k]['ci'][0])}, {number(s[k]['ci'][1])}]"
+                 for k in ("em", "em_reworded")]
+        lines.append(f"| {arm} | {cells[0]} | {cells[1]} | {s['collapsed']}/{len(seeds)} | "
+                     + " | ".join(number(s["grad"][k], 4) for k in GRAD_KEYS) + " |")
+    lines += ["", f"grad/ columns: each run's mean over iterations {KL_FROM} on (finite values), then the mean over "
+              "seeds. Plots: em_per_seed.png (both sets, a dot per seed, seeds joined across arms), train_reward.png."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_em_per_seed(result: dict, path: Path) -> None:
+    """Per set, a dot per seed and arm, each seed's dots joined across arms (the pairing); the SFT start dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = result["arms"]
+    fig, axes = plt.subplots(1, 2, figsize=(2 + 3 * len(arms), 3.8), sharey=True)
+    for ax, (key, dataset) in zip(axes, (("em", PRIMARY), ("em_reworded", GENERALISATION)), strict=True):
+        for i, s in enumerate(result["seeds"]):
+            ys = [result["outcomes"][arm][s][key] for arm in arms]
+            ax.plot(range(len(arms)), ys, color=f"C{i % 10}", alpha=0.35, marker="o", label=f"seed {s}")
+        if result["sft"] is not None:
+            ax.axhline(result["sft"][dataset], color="grey", linestyle="--", label="SFT start")
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set(title=f"{dataset} EM, last iteration", ylim=(-0.02, 1.02))
+    axes[0].set_ylabel("held-out EM")
+    axes[-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@app.command()
+def main(
+    run: Annotated[Path, typer.Option(help="the block's compare run folder (<out_dir>/two-hop)")] = Path(
+        "artifacts/study-b/stage2/two-hop"),
+    config: Annotated[Path, typer.Option(help="the study's run config (its train.iterations is the last)")] = CONFIG,
+) -> None:
+    """Study B's Stage 2: the declared primary and secondary tests, per-seed outcomes and plots."""
+    from trainer.config import load_config
+
+    try:
+        result = analyse(run, load_config(config).train.iterations)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from e
+    curves = {arm: {s: result["outcomes"][arm][s]["train_reward"] for s in result["seeds"]} for arm in result["arms"]}
+    (run / "study_b.json").write_text(json.dumps(result, indent=1) + "\n")
+    (run / "study_b.md").write_text(markdown(result))
+    if result["seeds"]:
+        plot_em_per_seed(result, run / "em_per_seed.png")
+        plot_per_arm(curves, run / "train_reward.png", "train reward", "train reward (bold: mean of seeds)")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    app()
