@@ -35,7 +35,8 @@ def open_backend(settings: RolloutSettings, model: str, tokenizer, policy=None, 
 
     return VLLMBackend(resolve_policy(model), dtype=settings.dtype or dtype, seed=seed,
                        gpu_memory_utilization=settings.gpu_memory_utilization, kv_cache_gib=settings.kv_cache_gib,
-                       max_model_len=settings.max_model_len)
+                       max_model_len=settings.max_model_len,
+                       enforce_eager=None if settings.compile is None else not settings.compile)
 
 
 def make_agent(backend: RolloutBackend, tokenizer, retriever: RetrieverClient | None, settings: RolloutSettings, *,

