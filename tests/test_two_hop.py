@@ -117,7 +117,8 @@ def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_fini
     write_plan(run, ["SFT", "GRPO-k3c", "EMA-PG", "EMA-PG anchor"], [("EMA-PG", "GRPO-k3c")], [201, 202, 203])
     write_evaluation(run / "eval-sft", 0.0, 0.58)
     finished = {("grpo-k3c", 201): (FELL, 0.0, 0.0), ("ema-pg", 201): (HELD, 1.0, 0.9),
-                ("grpo-k3c", 202): (HELD, 0.5, 0.6), ("ema-pg", 202): (HELD, 1.0, 0.6), ("grpo-k3c", 203): (HELD, 1.0, 0.6)}
+                ("grpo-k3c", 202): (HELD, 0.5, 0.6), ("ema-pg", 202): (HELD, 1.0, 0.6),
+                ("grpo-k3c", 203): (HELD, 1.0, 0.6)}
     for (arm, seed), (rewards, em, reworded) in finished.items():
         folder = run / f"seed-{seed}" / arm
         folder.mkdir(parents=True)

@@ -85,7 +85,8 @@ def collect(run: Path, iterations: int) -> dict:
     sft = dataset_em(run / "eval-sft") if (run / "eval-sft" / "report.json").exists() else None
     return {"arms": arms, "declared_seeds": plan["seeds"], "seeds": complete,
             "unfinished_seeds": [s for s in plan["seeds"] if s not in complete], "sft": sft,
-            "outcomes": {arm: {s: o for s, o in per_seed.items() if s in complete} for arm, per_seed in outcomes.items()}}
+            "outcomes": {arm: {s: o for s, o in per_seed.items() if s in complete}
+                         for arm, per_seed in outcomes.items()}}
 
 
 def seed_difference(outcomes: dict, a: str, b: str, key: str, seeds: list[int]) -> dict:
