@@ -129,6 +129,17 @@ def fmt_interval(c: dict) -> str:
     return f"{c['mean']:+.3f}{interval}"
 
 
+PLANNED_RUNS = 192  # the plan's 4 arms x 3 rates x 16 seeds
+
+
+def readme_effect(summary: dict) -> str:
+    """README's evidence-table cell for the study: its progress while runs are missing, else the primary's effect."""
+    if summary["runs"] < PLANNED_RUNS or summary["primary"] is None:
+        return f"running ({summary['runs']} of {PLANNED_RUNS} runs)"
+    p = summary["primary"]
+    return f"held-out EM {fmt_interval(p)} (ahead in {p['wins']}, behind in {p['losses']} of {p['n']} seeds)"
+
+
 def markdown(summary: dict) -> str:
     p = summary["primary"]
     lines = ["# Study A: the stable learning-rate frontier (issue 43)", "",
