@@ -51,3 +51,29 @@ def test_two_hop_row_is_its_seed_reports_primary(tmp_path):
     assert row[3].startswith(f"two-hop EM {primary['mean']:+.3f}")
     assert (row[4], row[5]) == (format_p(primary["p"]), f"{format_p(primary['holm_p'])} over "
                                                          f"{len(report['comparisons'])}")
+
+
+def test_study_b_row_is_its_records_verdicts(tmp_path):
+    """The pilot's verdicts by the break rule (experiments/two_hop/verdict.py) on each rate's record, in the order
+    the plan ran them; Stage 2's primary once its record holds every declared seed."""
+    from eval.seed_stats import format_p
+    from experiments.two_hop.study_b import analyse, readme_effect
+    from experiments.two_hop.verdict import pilot_verdict
+
+    def unpack_all(folder: Path, into: Path) -> Path:
+        for archive in sorted(folder.glob("*.tar.gz")):
+            unpack(archive, into)
+        return into / "two-hop"
+
+    pilot = []
+    for rate, arms in (("2e-5", ["grpo-k3c"]), ("1e-4", ["grpo-k3c", "ema-pg"])):
+        run = unpack_all(EVIDENCE / "study-b" / f"pilot-lr{rate}", tmp_path / rate)
+        pilot += [({"grpo-k3c": "GRPO-k3c", "ema-pg": "EMA-PG"}[arm], rate, pilot_verdict(run / arm)["broke"])
+                  for arm in arms]
+    stage2 = None
+    if (EVIDENCE / "study-b" / "stage2").is_dir():
+        stage2 = analyse(unpack_all(EVIDENCE / "study-b" / "stage2", tmp_path / "stage2"), iterations=16)
+    row = readme_row("EMA-PG holds at a rate where GRPO-k3c breaks (Study B)")
+    assert row[3] == readme_effect(pilot, stage2)
+    if stage2 is not None and not stage2["unfinished_seeds"]:
+        assert row[4] == format_p(stage2["primary"]["p"])

@@ -111,7 +111,7 @@ def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_fini
     by GRPO-k3c only (left out). The primary is the kb-2hop difference, the reworded set a secondary, collapses
     counted by the rule on each run's history."""
     from eval.seed_report import write_plan
-    from experiments.two_hop.study_b import analyse, markdown
+    from experiments.two_hop.study_b import analyse, markdown, readme_effect
 
     run = tmp_path / "two-hop"
     write_plan(run, ["SFT", "GRPO-k3c", "EMA-PG", "EMA-PG anchor"], [("EMA-PG", "GRPO-k3c")], [201, 202, 203])
@@ -141,6 +141,12 @@ def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_fini
     assert result["per_arm"]["EMA-PG"]["grad"]["grad/pg_norm"] == 5.0
     assert result["per_arm"]["GRPO-k3c"]["grad"]["grad/zero_advantage_groups"] is None
     assert "p = 0.5" in markdown(result)
+    pilot = [("GRPO-k3c", "2e-5", False), ("GRPO-k3c", "1e-4", True), ("EMA-PG", "1e-4", False)]
+    assert readme_effect(pilot, result) == ("pilot: GRPO-k3c held at 2e-5, broke at 1e-4 (EMA-PG held there, 1 seed); "
+                                            "Stage 2 running (2 of 3 seeds)")
+    finished = {**result, "declared_seeds": [201, 202]}
+    assert readme_effect(pilot, finished).startswith("kb-2hop EM +0.750 [") and "ahead in 2, behind in 0 of 2" in (
+        readme_effect(pilot, finished))
 
     from typer.testing import CliRunner
 

@@ -132,6 +132,24 @@ def analyse(run: Path, iterations: int) -> dict:
     return result
 
 
+def readme_effect(pilot: list[tuple[str, str, bool]], stage2: dict | None) -> str:
+    """README's evidence-table cell: the pilot's verdicts, (arm, rate, broke) in the order run, until Stage 2 has
+    finished every declared seed; then Stage 2's primary (`analyse`'s result)."""
+    def verdict(broke: bool) -> str:
+        return "broke" if broke else "held"
+
+    text = f"pilot: {B} " + ", ".join(f"{verdict(broke)} at {rate}" for arm, rate, broke in pilot if arm == B)
+    text += "".join(f" ({A} {verdict(broke)} there, 1 seed)" for arm, _, broke in pilot if arm == A)
+    if stage2 is None:
+        return text + "; Stage 2 not run yet"
+    done, declared = len(stage2["seeds"]), len(stage2["declared_seeds"])
+    if done < declared:
+        return text + f"; Stage 2 running ({done} of {declared} seeds)"
+    p = stage2["primary"]
+    return (f"kb-2hop EM {p['mean']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] (ahead in {p['wins']}, behind in "
+            f"{p['losses']} of {done} seeds)")
+
+
 def number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
