@@ -77,3 +77,28 @@ def test_study_b_row_is_its_records_verdicts(tmp_path):
     assert row[3] == readme_effect(pilot, stage2)
     if stage2 is not None and not stage2["unfinished_seeds"]:
         assert row[4] == format_p(stage2["primary"]["p"])
+
+
+def readme_p(p: float) -> str:
+    """A p value at README's precision: 8e-5 below 0.001 (not 8e-05 or 0.00008), else two significant digits."""
+    return f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
+
+
+def test_cpu_evidence_rows_are_its_paired_tests(tmp_path):
+    """The 200-step CPU comparison (AMD EPYC record): McNemar over the 1,185 held-out questions, Holm over the 10
+    paired comparisons its report made. (It found README's Holm p for RL over SFT written as 8e-4, which is the
+    Bonferroni 10 x 7.95e-5; Holm's is 6.4e-4.)"""
+    from eval.seed_stats import holm
+
+    unpack(EVIDENCE / "cpu-evidence-epyc_logs.tar.gz", tmp_path, "cpu-evidence-epyc/compare.json")
+    paired = json.loads((tmp_path / "cpu-evidence-epyc" / "compare.json").read_text())["paired"]
+    adjusted = holm([row["p_value"] for row in paired])
+    for claim, (a, b) in {"RL (GRPO, 200 steps) beats its SFT start": ("GRPO", "SFT"),
+                          "EMA-PG beats GRPO there": ("EMA-PG", "GRPO")}.items():
+        i = next(i for i, row in enumerate(paired) if (row["a"], row["b"]) == (a, b))
+        row, cells = paired[i], readme_row(claim)
+        low, high = row["ci95"]
+        assert cells[2] == f"questions (1 seed), {row['n']:,}"
+        assert cells[3] == f"EM {row['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
+        assert (cells[4], cells[5]) == (f"{readme_p(row['p_value'])} (McNemar)",
+                                        f"{readme_p(adjusted[i])} over {len(paired)}")
