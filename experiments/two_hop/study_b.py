@@ -29,26 +29,19 @@ from typing import Annotated
 import typer
 
 from eval.paired import mcnemar_exact_p
-from eval.report import EvalReport
 from eval.seed_report import read_plan
 from eval.seed_stats import format_p, holm, mean_interval, paired_seeds
 from experiments.mechanism.cell import all_finite, curve_summary
-from experiments.two_hop.analyse import CONFIG, plot_per_arm
+from experiments.two_hop.analyse import CONFIG, KL_FROM, plot_per_arm
+from experiments.two_hop.verdict import PRIMARY, dataset_em
 from trainer.run.metrics_log import current_history, read_metrics
 
-PRIMARY, GENERALISATION = "kb-2hop", "kb-reworded"
+GENERALISATION = "kb-reworded"
 A, B = "EMA-PG", "GRPO-k3c"  # the primary difference: A - B
 FLOOR = "GRPO-floor"  # a third arm only if the budget allowed it
 GRAD_KEYS = ("grad/pg_norm", "grad/kl_norm", "grad/kl_pg_cosine", "grad/zero_advantage_groups")
-KL_FROM = 2  # at iteration 1 the anchor equals the policy: the KL gradient is float noise (docs/metrics.md)
 
 app = typer.Typer(add_completion=False)
-
-
-def dataset_em(evaluation: Path) -> dict[str, float]:
-    """dataset -> agent-mode EM of one evaluation folder."""
-    report = EvalReport.load(evaluation / "report.json")
-    return {row.dataset: row.em for row in report.results if row.mode == "agent"}
 
 
 def finite_mean(values: list[float]) -> float | None:

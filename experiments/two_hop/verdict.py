@@ -23,9 +23,14 @@ PRIMARY = "kb-2hop"
 MARGIN = 0.5  # "fails to learn what every arm learned at 2e-5": below the start's EM + 0.5
 
 
-def primary_em(evaluation: Path) -> float:
+def dataset_em(evaluation: Path) -> dict[str, float]:
+    """dataset -> agent-mode EM of one evaluation folder."""
     report = EvalReport.load(evaluation / "report.json")
-    return next(row.em for row in report.results if row.dataset == PRIMARY)
+    return {row.dataset: row.em for row in report.results if row.mode == "agent"}
+
+
+def primary_em(evaluation: Path) -> float:
+    return dataset_em(evaluation)[PRIMARY]
 
 
 def pilot_verdict(run: Path) -> dict:
