@@ -31,14 +31,27 @@ def unpack(archive: Path, into: Path, *members: str) -> Path:
 
 def test_study_a_row_is_its_records_analysis(tmp_path):
     from eval.seed_stats import format_p
-    from experiments.mechanism.stability import load_cells, readme_effect, summarise
+    from experiments.mechanism.stability import load_cells, readme_effect, secondary_effect, summarise
 
     blocks = [unpack(EVIDENCE / "study-a" / f"{block}.tar.gz", tmp_path / block) for block in ("block-4", "block-2")]
     summary = summarise(load_cells(blocks))
     row = readme_row("EMA-PG stays ahead of GRPO-k3c at lr 3e-3 (Study A)")
+    assert row[2] == f"seeds, {summary['primary']['n']}"
     assert row[3] == readme_effect(summary)
-    if not row[3].startswith("running"):
-        assert row[4] == format_p(summary["primary"]["p"])
+    if row[3].startswith("running"):
+        return
+    assert row[4] == format_p(summary["primary"]["p"])
+    assert row[5] == "primary"
+    # The secondaries README states: which of the two parts of EMA-PG the lr 3e-3 effect comes from, and collapse.
+    secondary = {(c["outcome"], c["a"], c["b"], c["lr"]): c for c in summary["secondary"]}
+    for claim, key in (("the Top-k estimator alone: EMA-PG vs EMA-k3c", ("em", "EMA-PG", "EMA-k3c", 3e-3)),
+                       ("the EMA anchor alone: EMA-k3c vs GRPO-k3c", ("em", "EMA-k3c", "GRPO-k3c", 3e-3)),
+                       ("GRPO-k3c collapses more often than EMA-PG", ("collapse", "GRPO-k3c", "EMA-PG", 3e-3))):
+        c, row = secondary[key], readme_row(claim)
+        assert row[2] == f"seeds, {c['n']}"
+        assert row[3] == secondary_effect(c)
+        assert row[4] == format_p(c["p"])
+        assert row[5] == f"{format_p(c['holm_p'])} over {summary['family_size']}"
 
 
 def test_two_hop_row_is_its_seed_reports_primary(tmp_path):

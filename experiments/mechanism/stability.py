@@ -140,6 +140,14 @@ def readme_effect(summary: dict) -> str:
     return f"held-out EM {fmt_interval(p)} (ahead in {p['wins']}, behind in {p['losses']} of {p['n']} seeds)"
 
 
+def secondary_effect(c: dict) -> str:
+    """README's effect cell for one secondary comparison."""
+    if c["outcome"] == "em":
+        return f"held-out EM {fmt_interval(c)} (ahead in {c['wins']}, behind in {c['losses']} of {c['n']} seeds)"
+    return (f"collapse rate {fmt_interval(c)} (only {c['a']} collapsed in {c['wins']} seeds, only {c['b']} in "
+            f"{c['losses']}, of {c['n']})")
+
+
 def markdown(summary: dict) -> str:
     p = summary["primary"]
     lines = ["# Study A: the stable learning-rate frontier (issue 43)", "",
