@@ -45,7 +45,16 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # The interval always contains p; clamped so, since at p = 1 the float arithmetic above gives 0.9999999999999999.
+    return (min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half)))
+
+
+def error_bars(values: list[float], lows: list[float], highs: list[float]) -> list[list[float]]:
+    """matplotlib's yerr (distances below and above each value) for intervals that contain their values; the
+    distances are floored at 0 because a mean and its interval come from separate float sums (matplotlib refuses a
+    negative one, which ended a comparison's report after its runs had finished)."""
+    return [[max(0.0, v - low) for v, low in zip(values, lows, strict=True)],
+            [max(0.0, high - v) for v, high in zip(values, highs, strict=True)]]
 
 
 @dataclass
@@ -108,8 +117,8 @@ def plot_em(report: EvalReport, path: Path) -> None:
         rows = {r.dataset: r for r in report.results if r.mode == mode}
         xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(datasets))]
         ems = [rows[d].em if d in rows else 0.0 for d in datasets]
-        err = [[rows[d].em - rows[d].em_ci95[0] if d in rows else 0 for d in datasets],
-               [rows[d].em_ci95[1] - rows[d].em if d in rows else 0 for d in datasets]]
+        err = error_bars(ems, [rows[d].em_ci95[0] if d in rows else 0.0 for d in datasets],
+                         [rows[d].em_ci95[1] if d in rows else 0.0 for d in datasets])
         ax.bar(xs, ems, width, yerr=err, capsize=3, label=mode)
     ax.set_xticks(range(len(datasets)), datasets)
     ax.set_ylabel("exact match (95% CI)")
@@ -189,7 +198,7 @@ def plot_stages(stages: dict[str, EvalReport], path: Path) -> None:
     rows = [pooled(r) for r in stages.values()]
     fig, ax = plt.subplots(figsize=(5, 3.4))
     ems = [p["em"] for p in rows]
-    err = [[p["em"] - p["em_low"] for p in rows], [p["em_high"] - p["em"] for p in rows]]
+    err = error_bars(ems, [p["em_low"] for p in rows], [p["em_high"] for p in rows])
     ax.bar(list(stages), ems, yerr=err, capsize=4)
     ax.set(ylabel="held-out EM (95% CI)", ylim=(0, 1), title="base -> SFT -> SFT + EMA-PG")
     fig.tight_layout()
@@ -215,7 +224,8 @@ def plot_methods(curves: dict[str, list[dict]], held_out: dict[str, list[tuple[i
         points = held_out[name]
         shift = 0.15 * (i - (len(curves) - 1) / 2)  # side by side, so equal values stay visible
         ax_e.errorbar([j + shift for j, _ in points], [p["em"] for _, p in points],
-                      yerr=[[p["em"] - p["em_low"] for _, p in points], [p["em_high"] - p["em"] for _, p in points]],
+                      yerr=error_bars([p["em"] for _, p in points], [p["em_low"] for _, p in points],
+                                      [p["em_high"] for _, p in points]),
                       color=color, marker="o", capsize=3, label=name)
     ax_r.set(title="training reward (rollouts)", xlabel="iteration")
     ax_e.set(title="held-out EM (95% CI)", xlabel="iteration", ylim=(0, None))

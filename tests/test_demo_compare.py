@@ -39,3 +39,33 @@ def test_work_minutes_sum_every_timed_phase_and_count_the_shared_start_once():
     held_out = {"GRPO": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})],
                 "EMA-PG": [(0, sft), (1, {"em": 0.3, "seconds": 60.0})]}
     assert work_minutes(curves, held_out) == (60 + 30 + 90 + 120 + 60 + 60) / 60
+
+
+def test_the_wilson_interval_contains_its_proportion_at_every_count():
+    """At every count of 1-400 questions, from none right to all right: low <= p <= high within [0, 1], and the
+    interval is Wilson's (checked against the closed form at one point). Before the clamp, 303 of 303 gave a high of
+    0.9999999999999999 < 1, and the comparison's report plot then refused a negative error bar."""
+    import math
+
+    for n in range(1, 401):
+        for k in range(n + 1):
+            low, high = wilson_interval(k, n)
+            assert 0.0 <= low <= k / n <= high <= 1.0, (k, n)
+    z, p, n = 1.96, 0.25, 40
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert wilson_interval(10, 40) == ((p + z * z / (2 * n)) / (1 + z * z / n) - half,
+                                       (p + z * z / (2 * n)) / (1 + z * z / n) + half)
+
+
+def test_the_comparison_plot_takes_a_perfect_and_a_zero_evaluation(tmp_path):
+    """The case that ended Study B's Stage 2 report after seed 201: one method at EM 1.0 on 303 questions, the other
+    at 0.0, each with its pooled Wilson interval."""
+    from eval.report import plot_methods
+
+    curves, held_out = {}, {}
+    for name, em in (("EMA-PG", 1.0), ("GRPO-k3c", 0.0)):
+        report = EvalReport(model="m", subset="s", results=[result("kb-2hop", 103, em), result("kb-reworded", 200, em)])
+        curves[name] = [{"iteration": 1, "rollout/reward": em}, {"iteration": 2, "rollout/reward": em}]
+        held_out[name] = [(0, pooled(report)), (2, pooled(report))]
+    plot_methods(curves, held_out, tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
