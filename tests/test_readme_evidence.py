@@ -31,7 +31,7 @@ def unpack(archive: Path, into: Path, *members: str) -> Path:
 
 def test_study_a_row_is_its_records_analysis(tmp_path):
     from eval.seed_stats import format_p
-    from experiments.mechanism.stability import load_cells, readme_effect, secondary_effect, summarise
+    from experiments.mechanism.stability import load_cells, readme_effect, effect_cell, summarise
 
     blocks = [unpack(EVIDENCE / "study-a" / f"{block}.tar.gz", tmp_path / block) for block in ("block-4", "block-2")]
     summary = summarise(load_cells(blocks))
@@ -49,7 +49,7 @@ def test_study_a_row_is_its_records_analysis(tmp_path):
                        ("GRPO-k3c collapses more often than EMA-PG", ("collapse", "GRPO-k3c", "EMA-PG", 3e-3))):
         c, row = secondary[key], readme_row(claim)
         assert row[2] == f"seeds, {c['n']}"
-        assert row[3] == secondary_effect(c)
+        assert row[3] == effect_cell(c)
         assert row[4] == format_p(c["p"])
         assert row[5] == f"{format_p(c['holm_p'])} over {summary['family_size']}"
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from experiments.mechanism.stability import analyse, family, secondary_effect
+from experiments.mechanism.stability import analyse, family, effect_cell
 
 
 def fake_result(block, arm: str, lr: float, seed: int, em: float, collapsed: bool = False, ratios=(0.5, math.nan)):
@@ -47,8 +47,8 @@ def test_primary_secondary_and_collapse_tests_on_two_blocks(tmp_path):
     assert (collapse["wins"], collapse["ties"]) == (5, 1) and collapse["p"] == pytest.approx(2 / 32)  # exact McNemar
     assert len(summary["secondary"]) == 1  # only that rate and pair has both arms: the rest are not yet computable
     assert collapse["holm_p"] == collapse["p"]
-    assert secondary_effect(collapse).startswith("collapse rate +0.833 [")
-    assert secondary_effect(collapse).endswith("(only GRPO-k3c collapsed in 5 seeds, only EMA-PG in 0, of 6)")
+    assert effect_cell(collapse).startswith("collapse rate +0.833 [")
+    assert effect_cell(collapse).endswith("(only GRPO-k3c collapsed in 5 seeds, only EMA-PG in 0, of 6)")
     cell = next(c for c in summary["cells"] if c["arm"] == "EMA-PG")
     assert cell["kl_pg_ratio"] == 0.5 and cell["kl_pg_cosine"] == -0.5 and cell["zero_pg_share"] == 0.5  # NaN skipped
     assert cell["hours"] == pytest.approx(6 * 90 / 3600)

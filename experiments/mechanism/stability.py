@@ -136,12 +136,11 @@ def readme_effect(summary: dict) -> str:
     """README's evidence-table cell for the study: its progress while runs are missing, else the primary's effect."""
     if summary["runs"] < PLANNED_RUNS or summary["primary"] is None:
         return f"running ({summary['runs']} of {PLANNED_RUNS} runs)"
-    p = summary["primary"]
-    return f"held-out EM {fmt_interval(p)} (ahead in {p['wins']}, behind in {p['losses']} of {p['n']} seeds)"
+    return effect_cell(summary["primary"])
 
 
-def secondary_effect(c: dict) -> str:
-    """README's effect cell for one secondary comparison."""
+def effect_cell(c: dict) -> str:
+    """README's effect cell for one comparison (the primary or a secondary)."""
     if c["outcome"] == "em":
         return f"held-out EM {fmt_interval(c)} (ahead in {c['wins']}, behind in {c['losses']} of {c['n']} seeds)"
     return (f"collapse rate {fmt_interval(c)} (only {c['a']} collapsed in {c['wins']} seeds, only {c['b']} in "
