@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from emapg.compare import work_minutes
 from eval.report import DatasetResult, EvalReport, pooled, stages_markdown, wilson_interval
 
@@ -45,8 +47,6 @@ def test_the_wilson_interval_contains_its_proportion_at_every_count():
     """At every count of 1-400 questions, from none right to all right: low <= p <= high within [0, 1], and the
     interval is Wilson's (checked against the closed form at one point). Before the clamp, 303 of 303 gave a high of
     0.9999999999999999 < 1, and the comparison's report plot then refused a negative error bar."""
-    import math
-
     for n in range(1, 401):
         for k in range(n + 1):
             low, high = wilson_interval(k, n)

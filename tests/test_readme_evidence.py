@@ -31,7 +31,7 @@ def unpack(archive: Path, into: Path, *members: str) -> Path:
 
 def test_study_a_row_is_its_records_analysis(tmp_path):
     from eval.seed_stats import format_p
-    from experiments.mechanism.stability import load_cells, readme_effect, effect_cell, summarise
+    from experiments.mechanism.stability import effect_cell, load_cells, readme_effect, summarise
 
     blocks = [unpack(EVIDENCE / "study-a" / f"{block}.tar.gz", tmp_path / block) for block in ("block-4", "block-2")]
     summary = summarise(load_cells(blocks))

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from experiments.mechanism.stability import analyse, family, effect_cell
+from experiments.mechanism.stability import analyse, effect_cell, family
 
 
 def fake_result(block, arm: str, lr: float, seed: int, em: float, collapsed: bool = False, ratios=(0.5, math.nan)):
