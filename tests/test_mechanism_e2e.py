@@ -51,7 +51,11 @@ def test_the_study_runs_resumes_and_refuses_another_setup(tmp_path):
     result = json.loads(result_path.read_text())
     assert (result["method"], result["iterations"], result["error"]) == ("GRPO", 1, None)
     assert len(result["curve"]["reward"]) == 1 and 0 <= result["auc"] <= 1
-    assert set(result["final"]) >= {"em", "searches", "n"}
+    assert set(result["final"]) >= {"em", "searches", "n", "answered", "predictions"}
+    answers = result["final"]["predictions"]  # every held-out question's answer: the EM recomputes from them
+    assert len(answers) == result["final"]["n"] and result["final"]["em"] == sum(a["em"] for a in answers) / len(answers)
+    from experiments.mechanism.study_c import recompute_em  # scored again against the block's test questions
+    assert recompute_em(out, {("GRPO", 1e-3): {0: {**result, "block": out.name}}}) == 1
     assert result["grad"]["grad/pg_norm"][0] >= 0 and result["grad"]["grad/zero_advantage_groups"][0] >= 0
     diagnostic = result["kl_gradient"]
     assert diagnostic["states"] > 0 and diagnostic["variance_k3"] >= 0 and diagnostic["variance_topk"] >= 0

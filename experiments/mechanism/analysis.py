@@ -84,7 +84,10 @@ def summarise(results: list[dict], methods: list[str]) -> dict:
             row[name] = mean_ci([read(r) for r in runs])
         collapsed = sum(r["collapsed"] for r in runs)
         row["collapsed"] = (collapsed, *wilson_interval(collapsed, len(runs)))
-        diagnosed = [r["kl_gradient"] for r in runs if r.get("kl_gradient")]
+        # A run whose policy still equals its anchor (a first iteration at lr 0 under warm-up) has no KL-gradient
+        # variance to compare: its ratio is undefined, not infinite.
+        diagnosed = [r["kl_gradient"] for r in runs if r.get("kl_gradient") and r["kl_gradient"]["variance_topk"] > 0
+                     and r["kl_gradient"].get("variance_median_topk", 1.0) > 0]
         if diagnosed:
             row["variance_k3"] = float(np.mean([d["variance_k3"] for d in diagnosed]))
             row["variance_topk"] = float(np.mean([d["variance_topk"] for d in diagnosed]))

@@ -150,7 +150,8 @@ def run_cell(study: StudyConfig, cell: Cell, *, out: Path, tokenizer, retriever_
             policy, anchor, list(load_jsonl(last)), tokenizer.pad_token_id, study.diagnostic.states, r.topk,
             cell.seed) if study.diagnostic.kl_gradient else None
     else:  # a diverged policy answers nothing: its held-out EM is 0, not measured
-        result["final"] = {"em": 0.0, "searches": 0.0, "n": 0.0, "not_evaluated": "the run did not finish finitely"}
+        result["final"] = {"em": 0.0, "searches": 0.0, "n": 0.0, "answered": 0.0,
+                           "not_evaluated": "the run did not finish finitely"}
         result["kl_gradient"] = None
     result["measure_seconds"] = time.perf_counter() - start
 

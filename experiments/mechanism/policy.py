@@ -40,16 +40,20 @@ def eval_settings(max_turns: int, max_tokens_per_turn: int, max_obs_tokens: int,
 
 
 def greedy_eval(policy, tokenizer, retriever, questions: list[KBQuestion], settings: RolloutSettings) -> dict[str, float]:
-    """EM of greedy rollouts through the server (`retriever`, with its top-k): overall, per question kind, and the
-    mean number of searches."""
+    """EM of greedy rollouts through the server (`retriever`, with its top-k): overall, per question kind, the mean
+    number of searches, the share that wrote an answer at all, and every question's answer (id, answer or None, EM),
+    so that the EM can be recomputed from the answers."""
     backend = open_backend(settings, "tiny-policy (in memory)", tokenizer, policy)
     agent = make_agent(backend, tokenizer, retriever, settings)
     trajectories = agent.rollout([q.example for q in questions], SamplingParams(temperature=0.0))
     by_kind: dict[str, list[float]] = defaultdict(list)
+    predictions = []
     for q, traj in zip(questions, trajectories, strict=True):
-        by_kind[q.kind].append(reward(traj).em)
-    ems = [em for values in by_kind.values() for em in values]
+        em = reward(traj).em
+        by_kind[q.kind].append(em)
+        predictions.append({"id": q.example.id, "answer": traj.answer, "em": em})
+    ems = [p["em"] for p in predictions]
     out = {"em": sum(ems) / len(ems), "searches": sum(t.num_searches for t in trajectories) / len(trajectories),
-           "n": float(len(ems))}
+           "n": float(len(ems)), "answered": sum(p["answer"] is not None for p in predictions) / len(predictions)}
     out |= {f"em_{kind}": sum(values) / len(values) for kind, values in sorted(by_kind.items())}
-    return out
+    return out | {"predictions": predictions}

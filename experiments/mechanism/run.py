@@ -99,7 +99,8 @@ def warm_start(out: Path, study: StudyConfig, tokenizer, client, train) -> dict:
         test = load_test(out, study)
         settings = eval_settings(r.max_turns, r.max_tokens_per_turn, r.max_obs_tokens)
         (out / "sft_eval.json").write_text(json.dumps(greedy_eval(policy, tokenizer, client, test, settings), indent=1))
-    print(f"SFT start: {json.loads((out / 'sft_eval.json').read_text())}", flush=True)
+    sft_eval = json.loads((out / "sft_eval.json").read_text())
+    print(f"SFT start: { {k: v for k, v in sft_eval.items() if k != 'predictions'} }", flush=True)
     return weights
 
 

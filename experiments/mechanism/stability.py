@@ -62,8 +62,41 @@ def load_cells(blocks: list[Path]) -> dict[tuple[str, float], dict[int, dict]]:
     return dict(cells)
 
 
+OUTCOMES = {
+    "em": lambda r: float(r["final"]["em"]),  # final greedy held-out EM
+    "collapse": lambda r: float(bool(r["collapsed"])),
+    "answered": lambda r: float(r["final"]["answered"]),  # share of held-out questions answered at all
+}
+
+
 def outcome(r: dict, name: str) -> float:
-    return float(r["final"]["em"]) if name == "em" else float(bool(r["collapsed"]))
+    return OUTCOMES[name](r)
+
+
+PULL_ITERATIONS = (2, 3, 4)  # iteration 1's KL is zero by construction (policy = anchor): it says nothing of the pull
+
+
+def pull_ratio(cells: dict, a: str, b: str, lr: float, iterations: tuple[int, ...] = PULL_ITERATIONS) -> dict | None:
+    """How hard A's KL term pulls against B's at the same learning rate and seed: per seed, the median over
+    `iterations` of grad/kl_norm(A) / grad/kl_norm(B) (beta included; iterations where either is missing, zero or
+    non-finite skipped), then the median and range across seeds. Iteration 1's rollouts are the same in every arm
+    of a seed (same seed, same start), so the states compared are alike at iteration 2 and drift apart after it."""
+    left, right = cells.get((a, lr), {}), cells.get((b, lr), {})
+    per_seed = {}
+    for seed in sorted(set(left) & set(right)):
+        ratios = []
+        for i in iterations:
+            x, y = (r["grad"]["grad/kl_norm"][i - 1] if len(r["grad"]["grad/kl_norm"]) >= i else None
+                    for r in (left[seed], right[seed]))
+            if x is not None and y and math.isfinite(x) and math.isfinite(y):
+                ratios.append(x / y)
+        if ratios:
+            per_seed[seed] = float(np.median(ratios))
+    if not per_seed:
+        return None
+    values = list(per_seed.values())
+    return {"a": a, "b": b, "lr": lr, "iterations": list(iterations), "n": len(values),
+            "median": float(np.median(values)), "low": min(values), "high": max(values), "per_seed": per_seed}
 
 
 def compare(cells: dict, name: str, a: str, b: str, lr: float) -> dict | None:

@@ -84,6 +84,9 @@ class SweepSection(Section):
     lr_at: float = 3e-4  # the beta slice's learning rate
     beta_at: float = 0.1  # the lr slice's beta
     seeds: list[int] = [0, 1, 2, 3, 4]
+    # Explicit (method, lr) points at beta_at (or the method's own beta), in place of the two slices: a study whose
+    # arms do not all run at every rate (Study C). Empty: the slices.
+    cells: list[tuple[str, float]] = []
 
     @field_validator("methods")
     @classmethod
@@ -92,6 +95,13 @@ class SweepSection(Section):
         if unknown:
             raise ValueError(f"unknown methods {unknown}: choose from {', '.join(METHODS)} (trainer/methods.py)")
         return names
+
+    @model_validator(mode="after")
+    def _cells_of_the_methods(self) -> SweepSection:
+        stray = sorted({method for method, _ in self.cells} - set(self.methods))
+        if stray:
+            raise ValueError(f"sweep.cells name methods not in sweep.methods: {stray}")
+        return self
 
 
 class StudyConfig(Section):
@@ -132,7 +142,22 @@ STABILITY = {
     "sweep": {"methods": list(STUDIES["stability"]), "lrs": [2e-3, 3e-3, 5e-3],
               "betas": [0.1], "lr_at": 3e-3, "beta_at": 0.1},
 }
-PRESETS = {"study": {}, "toy": TOY, "stability": STABILITY}
+# Study C of issue 54 (docs/study_c_plan.md): what in the EMA-PG arm buys the stability (Part 1: the KL term alone
+# varies, EMA anchor in every arm, lr 3e-3, no warm-up) and whether it survives the authors' warm-up (Part 2). Each
+# seed runs Part 1's five arms, then Part 2's five cells, so an interrupted study has whole seeds of both parts.
+STUDY_C_PART_1 = [("EMA-PG", 3e-3), ("EMA-k3c", 3e-3), ("EMA-PG-weak", 3e-3), ("EMA-k3c-strong", 3e-3),
+                  ("EMA-PG-tail", 3e-3)]
+STUDY_C_PART_2 = [("GRPO-k3c", 3e-3), ("GRPO-k3c-warmup", 3e-3), ("EMA-PG-warmup", 3e-3), ("GRPO-k3c-warmup", 5e-3),
+                  ("EMA-PG-warmup", 5e-3)]
+STUDY_C = {
+    "diagnostic": {"kl_gradient": False},
+    "sweep": {"methods": list(STUDIES["study-c"]), "lrs": [3e-3, 5e-3], "betas": [0.1], "lr_at": 3e-3,
+              "beta_at": 0.1, "cells": STUDY_C_PART_1 + STUDY_C_PART_2},
+}
+# The plan's conditional rate: both warm-up arms at 1e-2, run only if both held at 5e-3 (stability.extra_rate_due).
+STUDY_C_EXTRA = {**STUDY_C, "sweep": {**STUDY_C["sweep"], "lrs": [1e-2],
+                                      "cells": [("GRPO-k3c-warmup", 1e-2), ("EMA-PG-warmup", 1e-2)]}}
+PRESETS = {"study": {}, "toy": TOY, "stability": STABILITY, "study-c": STUDY_C, "study-c-extra": STUDY_C_EXTRA}
 
 
 def study_config(preset: str = "study", init_seed: int | None = None, **sweep_overrides) -> StudyConfig:
@@ -175,7 +200,11 @@ def method_beta(method: str, beta: float) -> float:
 
 def grid(sweep: SweepSection) -> list[Cell]:
     """Seed-major (every (method, lr, beta) of seed 0, then of seed 1, ...), so that an interrupted sweep has whole
-    paired comparisons for the seeds it finished. A method with a fixed beta runs once per learning rate."""
+    paired comparisons for the seeds it finished. A method with a fixed beta runs once per learning rate. With
+    `sweep.cells`, those points in their order instead of the slices."""
+    if sweep.cells:
+        return [Cell(method, lr, method_beta(method, sweep.beta_at), seed)
+                for seed in sweep.seeds for method, lr in sweep.cells]
     points = [(lr, sweep.beta_at) for lr in sweep.lrs] + [(sweep.lr_at, b) for b in sweep.betas]
     cells = [Cell(method, lr, method_beta(method, beta), seed)
              for seed in sweep.seeds for lr, beta in points for method in sweep.methods]
@@ -187,10 +216,11 @@ def train_overrides(study: StudyConfig, cell: Cell) -> list[str]:
     rl = study.rl
     if method_beta(cell.method, cell.beta) != cell.beta:
         raise ValueError(f"cell {cell.name}: {cell.method} runs at beta {method_beta(cell.method, cell.beta):g}")
+    # The method's own keys come last, so they win over the study's (EMA-PG-tail's kl.topk=0, a warm-up arm's
+    # train.warmup_fraction); the EMA methods take the study's tau.
     method = {"ema.tau": rl.ema_tau, **METHODS[cell.method].overrides}
     return [
-        f"seed={cell.seed}", f"train.lr={cell.lr}",
-        *(f"{key}={value}" for key, value in method.items()), f"kl.beta={cell.beta}",
+        f"seed={cell.seed}", f"train.lr={cell.lr}", f"kl.beta={cell.beta}",
         f"kl.topk={rl.topk}", f"ema.period={rl.ema_period}",
         f"train.iterations={rl.iterations}", f"train.prompts_per_iteration={rl.prompts_per_iteration}",
         f"train.rollouts_per_prompt={rl.rollouts_per_prompt}", f"train.mini_batch_size={rl.mini_batch_size}",
@@ -199,4 +229,5 @@ def train_overrides(study: StudyConfig, cell: Cell) -> list[str]:
         f"rollout.max_obs_tokens={rl.max_obs_tokens}", "rollout.backend=transformers",
         f"rollout.max_in_flight={rl.prompts_per_iteration * rl.rollouts_per_prompt}", f"retriever.topk={rl.retriever_topk}",
         f"checkpoint.every={rl.iterations}", "checkpoint.keep=1", f"train.grad_probe_every={rl.grad_probe_every}",
+        *(f"{key}={value}" for key, value in method.items()),
     ]
