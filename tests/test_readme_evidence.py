@@ -22,6 +22,10 @@ def readme_row(claim: str) -> list[str]:
     raise AssertionError(f"README.md has no evidence row starting {claim!r}")
 
 
+def readme_text() -> str:
+    return (ROOT / "README.md").read_text()
+
+
 def unpack(archive: Path, into: Path, *members: str) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive) as tar:
@@ -35,8 +39,13 @@ def test_study_a_row_is_its_records_analysis(tmp_path):
 
     blocks = [unpack(EVIDENCE / "study-a" / f"{block}.tar.gz", tmp_path / block) for block in ("block-4", "block-2")]
     summary = summarise(load_cells(blocks))
-    row = readme_row("EMA-PG stays ahead of GRPO-k3c at lr 3e-3 (Study A)")
+    row = readme_row("EMA-PG stays ahead of GRPO-k3c at lr 3e-3, no warm-up (Study A)")
     assert row[2] == f"seeds, {summary['primary']['n']}"
+    # Where both arms end against where they started (each block's SFT evaluation), as the row says.
+    starts = [json.loads((block / "sft_eval.json").read_text())["em"] for block in blocks]
+    ends = {c["arm"]: c["em_mean"] for c in summary["cells"] if c["lr"] == 3e-3}
+    assert (f"(EMA-PG {ends['EMA-PG']:.3f}, GRPO-k3c {ends['GRPO-k3c']:.3f}; starts {starts[0]:.3f} and "
+            f"{starts[1]:.3f})") in row[6] and max(ends["EMA-PG"], ends["GRPO-k3c"]) < min(starts)
     assert row[3] == readme_effect(summary)
     if row[3].startswith("running"):
         return
@@ -44,7 +53,7 @@ def test_study_a_row_is_its_records_analysis(tmp_path):
     assert row[5] == "primary"
     # The secondaries README states: which of the two parts of EMA-PG the lr 3e-3 effect comes from, and collapse.
     secondary = {(c["outcome"], c["a"], c["b"], c["lr"]): c for c in summary["secondary"]}
-    for claim, key in (("the Top-k estimator alone: EMA-PG vs EMA-k3c", ("em", "EMA-PG", "EMA-k3c", 3e-3)),
+    for claim, key in (("the Top-k arm (five changes at once) vs EMA-k3c", ("em", "EMA-PG", "EMA-k3c", 3e-3)),
                        ("the EMA anchor alone: EMA-k3c vs GRPO-k3c", ("em", "EMA-k3c", "GRPO-k3c", 3e-3)),
                        ("GRPO-k3c collapses more often than EMA-PG", ("collapse", "GRPO-k3c", "EMA-PG", 3e-3))):
         c, row = secondary[key], readme_row(claim)
@@ -52,6 +61,35 @@ def test_study_a_row_is_its_records_analysis(tmp_path):
         assert row[3] == effect_cell(c)
         assert row[4] == format_p(c["p"])
         assert row[5] == f"{format_p(c['holm_p'])} over {summary['family_size']}"
+
+
+def test_the_pull_ratio_readme_states_is_study_as_records(tmp_path):
+    from experiments.mechanism.stability import load_cells, pull_ratio
+
+    blocks = [unpack(EVIDENCE / "study-a" / f"{block}.tar.gz", tmp_path / block) for block in ("block-4", "block-2")]
+    cells = load_cells(blocks)
+    pull, first = pull_ratio(cells, "EMA-PG", "EMA-k3c", 3e-3), pull_ratio(cells, "EMA-PG", "EMA-k3c", 3e-3, (2,))
+    assert (f"{pull['median']:.2f}x k3c's in Study A (lr 3e-3, per seed the median of grad/kl_norm(EMA-PG) / "
+            f"grad/kl_norm(EMA-k3c) over\niterations 2-4, then the median over {pull['n']} seeds; range "
+            f"{pull['low']:.2f}-{pull['high']:.2f}; iteration 2 alone {first['median']:.2f}x)") in readme_text()
+
+
+def test_study_c_rows_are_its_records_analysis(tmp_path):
+    """Both primaries' rows: the run count while the study runs (0 before its record is committed), then each
+    primary's effect and exact p, recomputed from docs/evidence/study-c/ by the plan's analysis."""
+    from eval.seed_stats import format_p
+    from experiments.mechanism.study_c import readme_effect, summarise
+    from experiments.mechanism.stability import load_cells
+
+    blocks = [unpack(path, tmp_path / path.name.removesuffix(".tar.gz"))
+              for path in sorted((EVIDENCE / "study-c").glob("block-*.tar.gz"))]
+    summary = summarise(load_cells(blocks))
+    for which, claim in enumerate(("Top-k beats clamped k3 at a matched KL pull", "EMA-PG stays ahead of GRPO-k3c with "
+                                   "the authors' warm-up")):
+        row = readme_row(claim)
+        assert row[3] == readme_effect(summary, which)
+        if not row[3].startswith("running"):
+            assert row[4] == format_p(summary["primaries"][which]["p"])
 
 
 def test_two_hop_row_is_its_seed_reports_primary(tmp_path):
@@ -87,10 +125,17 @@ def test_study_b_row_is_its_records_verdicts(tmp_path):
     stage2 = None
     if (EVIDENCE / "study-b" / "stage2").is_dir():
         stage2 = analyse(unpack_all(EVIDENCE / "study-b" / "stage2", tmp_path / "stage2"), iterations=16)
-    row = readme_row("EMA-PG holds at a rate where GRPO-k3c breaks (Study B)")
+    row = readme_row("EMA-PG ends above GRPO-k3c at lr 1e-4, no warm-up (Study B)")
     assert row[3] == readme_effect(pilot, stage2)
     if stage2 is not None and not stage2["unfinished_seeds"]:
         assert row[4] == format_p(stage2["primary"]["p"])
+        ema, grpo = stage2["per_arm"]["EMA-PG"], stage2["per_arm"]["GRPO-k3c"]
+        assert (f"EMA-PG ended at EM 0 in {ema['zero_em_runs']} of {len(stage2['seeds'])} seeds; "
+                f"{grpo['zero_em_runs_never_answered']} of GRPO-k3c's {grpo['zero_em_runs']} zero-EM runs never wrote "
+                "an answer") in row[6]
+        pull, first = stage2["pull_ratio"]["iterations 2-4"], stage2["pull_ratio"]["iteration 2"]
+        assert (f"{pull['median']:.2f}x GRPO-k3c's in\nStudy B (range {pull['low']:.2f}-{pull['high']:.3g} over "
+                f"{pull['n']} seeds; iteration 2 alone {first['median']:.2f}x)") in readme_text()
 
 
 def readme_p(p: float) -> str:

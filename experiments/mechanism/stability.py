@@ -77,17 +77,24 @@ PULL_ITERATIONS = (2, 3, 4)  # iteration 1's KL is zero by construction (policy 
 
 
 def pull_ratio(cells: dict, a: str, b: str, lr: float, iterations: tuple[int, ...] = PULL_ITERATIONS) -> dict | None:
-    """How hard A's KL term pulls against B's at the same learning rate and seed: per seed, the median over
-    `iterations` of grad/kl_norm(A) / grad/kl_norm(B) (beta included; iterations where either is missing, zero or
-    non-finite skipped), then the median and range across seeds. Iteration 1's rollouts are the same in every arm
-    of a seed (same seed, same start), so the states compared are alike at iteration 2 and drift apart after it."""
+    """How hard A's KL term pulls against B's at the same learning rate and seed (`paired_norm_ratio` of their
+    grad/kl_norm, beta included). Iteration 1's rollouts are the same in every arm of a seed (same seed, same
+    start), so the states compared are alike at iteration 2 and drift apart after it."""
     left, right = cells.get((a, lr), {}), cells.get((b, lr), {})
+    ratio = paired_norm_ratio({s: r["grad"]["grad/kl_norm"] for s, r in left.items()},
+                              {s: r["grad"]["grad/kl_norm"] for s, r in right.items()}, iterations)
+    return None if ratio is None else {"a": a, "b": b, "lr": lr, **ratio}
+
+
+def paired_norm_ratio(left: dict[int, list], right: dict[int, list],
+                      iterations: tuple[int, ...] = PULL_ITERATIONS) -> dict | None:
+    """Per seed (in both), the median over `iterations` (from 1) of left / right (iterations where either is
+    missing, zero or non-finite skipped), then the median and range across seeds; None when no seed has one."""
     per_seed = {}
     for seed in sorted(set(left) & set(right)):
         ratios = []
         for i in iterations:
-            x, y = (r["grad"]["grad/kl_norm"][i - 1] if len(r["grad"]["grad/kl_norm"]) >= i else None
-                    for r in (left[seed], right[seed]))
+            x, y = (norms[i - 1] if len(norms) >= i else None for norms in (left[seed], right[seed]))
             if x is not None and y and math.isfinite(x) and math.isfinite(y):
                 ratios.append(x / y)
         if ratios:
@@ -95,8 +102,8 @@ def pull_ratio(cells: dict, a: str, b: str, lr: float, iterations: tuple[int, ..
     if not per_seed:
         return None
     values = list(per_seed.values())
-    return {"a": a, "b": b, "lr": lr, "iterations": list(iterations), "n": len(values),
-            "median": float(np.median(values)), "low": min(values), "high": max(values), "per_seed": per_seed}
+    return {"iterations": list(iterations), "n": len(values), "median": float(np.median(values)), "low": min(values),
+            "high": max(values), "per_seed": per_seed}
 
 
 def compare(cells: dict, name: str, a: str, b: str, lr: float) -> dict | None:

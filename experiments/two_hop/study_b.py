@@ -31,7 +31,9 @@ import typer
 from eval.paired import mcnemar_exact_p
 from eval.seed_report import read_plan
 from eval.seed_stats import format_p, holm, mean_interval, paired_seeds
+from eval.report import EvalReport
 from experiments.mechanism.cell import all_finite, curve_summary
+from experiments.mechanism.stability import paired_norm_ratio
 from experiments.two_hop.analyse import CONFIG, KL_FROM, plot_per_arm
 from experiments.two_hop.verdict import PRIMARY, dataset_em
 from trainer.run.metrics_log import current_history, read_metrics
@@ -56,12 +58,15 @@ def run_outcome(run: Path, iterations: int) -> dict | None:
     if not (final / "report.json").exists():
         return None
     em = dataset_em(final)
+    answered = {row.dataset: row.answered for row in EvalReport.load(final / "report.json").results
+                if row.mode == "agent"}
     history = current_history(read_metrics(run / "metrics.jsonl"))
     summary = curve_summary([row["rollout/reward"] for row in history], all_finite(history))
     anchor = run / f"eval-anchor-{iterations:04d}"
     grad = {key: finite_mean([row[key] for row in history if key in row and row["iteration"] >= KL_FROM])
             for key in GRAD_KEYS}
-    return {"em": em[PRIMARY], "em_reworded": em[GENERALISATION], **summary, "grad": grad,
+    return {"em": em[PRIMARY], "em_reworded": em[GENERALISATION], "answered": answered[PRIMARY], **summary, "grad": grad,
+            "kl_norms": [row.get("grad/kl_norm") for row in history],
             "anchor_em": dataset_em(anchor)[PRIMARY] if (anchor / "report.json").exists() else None,
             "train_reward": [(row["iteration"], row["rollout/reward"]) for row in history]}
 
@@ -111,6 +116,11 @@ def analyse(run: Path, iterations: int) -> dict:
         for row, adjusted in zip(secondary, holm([row["p"] for row in secondary]), strict=True):
             row["holm_p"] = adjusted
     result["secondary"] = secondary
+    # How hard each arm's KL term pulls at the same seed (reported, not tested): iterations 2-4, and 2 alone (the
+    # state both arms share most closely: the same first rollouts, one update apart).
+    norms = {arm: {s: outcomes[arm][s]["kl_norms"] for s in seeds} for arm in (A, B)}
+    result["pull_ratio"] = {"iterations 2-4": paired_norm_ratio(norms[A], norms[B]),
+                            "iteration 2": paired_norm_ratio(norms[A], norms[B], (2,))}
     result["per_arm"] = {}
     for arm in result["arms"]:
         runs = [outcomes[arm][s] for s in seeds]
@@ -119,6 +129,9 @@ def analyse(run: Path, iterations: int) -> dict:
             mean, low, high = mean_interval([r[key] for r in runs]) if runs else (None, None, None)
             summary[key] = {"mean": mean, "ci": [low, high]}
         summary["collapsed"] = sum(r["collapsed"] for r in runs)
+        # A collapse scored as EM 0 is often no answer at all: how many zero-EM runs wrote none
+        summary["zero_em_runs"] = sum(r["em"] == 0 for r in runs)
+        summary["zero_em_runs_never_answered"] = sum(r["em"] == 0 and r["answered"] == 0 for r in runs)
         summary["grad"] = {key: finite_mean([r["grad"][key] for r in runs if r["grad"][key] is not None])
                            for key in GRAD_KEYS}
         result["per_arm"][arm] = summary
