@@ -32,7 +32,7 @@ from agent.protocol import (
 )
 from agent.trajectory import Trajectory, Turn
 from data.qa import QAExample
-from eval.metrics import normalize_answer
+from data.qa import normalize_answer
 from retriever.client import Hit
 
 # The demonstrations' thoughts (agent.protocol.think wraps them in the protocol's tags).

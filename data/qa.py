@@ -20,6 +20,7 @@ import importlib.util
 import io
 import json
 import re
+import string
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,19 @@ class QAExample:
             golden_answers=tuple(row["golden_answers"]),
             source=row["source"],
         )
+
+
+_PUNCTUATION = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """FlashRAG's (= SQuAD's): lowercase, delete ASCII punctuation, replace whole words a/an/the with a space,
+    collapse whitespace. Order matters: punctuation goes before articles, so "the." -> "the" -> ""."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
 
 
 def normalize_question(q: str) -> str:

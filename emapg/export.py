@@ -10,7 +10,7 @@ transformers, vLLM or the Hub load as it is.
     full-weight policy   the checkpoint's state dict, strictly (load_policy_checkpoint_state)
     full-weight anchor   restored into an EmaAnchor (its names, shapes and dtype checked), then cast into the
                          policy's dtype (EmaAnchor.copy_to): the anchor is evaluated in the policy's dtype too
-    LoRA policy          the adapters on their frozen base, merged: W0 + s B A (trainer.learner.lora.merged_weights,
+    LoRA policy          the adapters on their frozen base, merged: W0 + s B A (trainer.lora.merged_weights,
                          what a vLLM engine is sent during training)
     LoRA anchor          restored into a LoraEmaAnchor, merged: W0 + D, D the EMA of s B A. The anchor already is the
                          EMA of the effective weights (trainer.ema.LoraEmaAnchor), so W0 + D is the anchor itself;
@@ -168,7 +168,7 @@ def _load_into(plain, weights: dict[str, torch.Tensor]) -> None:
 
 
 def _lora_model(config: dict):
-    from trainer.learner.lora import apply_lora
+    from trainer.lora import apply_lora
 
     lora = config["lora"]
     model = _load_plain(config)
@@ -176,7 +176,7 @@ def _lora_model(config: dict):
 
 
 def _fingerprint_fits(model, state: dict[str, torch.Tensor]) -> bool:
-    from trainer.learner.lora import BASE_FINGERPRINT, base_fingerprint
+    from trainer.lora import BASE_FINGERPRINT, base_fingerprint
 
     saved, own = state.get(BASE_FINGERPRINT), base_fingerprint(model)
     return saved is not None and saved.shape == own.shape and torch.allclose(saved, own, rtol=1e-9, atol=1e-9)
@@ -199,7 +199,7 @@ def lora_base_candidates(checkpoint: Path) -> list[Path]:
 def _fit_lora_base(model, state: dict[str, torch.Tensor], config: dict, checkpoint: Path, base: Path | None) -> str:
     """Put the base the adapters were trained on into `model`'s frozen weights (their fingerprint must match);
     returns where it came from."""
-    from trainer.learner.lora import load_base_weights
+    from trainer.lora import load_base_weights
     from trainer.run.checkpoint import load_policy_weights
 
     tried = []
@@ -241,7 +241,7 @@ def exported_model(checkpoint: Path, config: dict, anchor: bool, base: Path | No
     from safetensors.torch import load_file
 
     from trainer.ema import EmaAnchor, LoraEmaAnchor
-    from trainer.learner.lora import load_policy_checkpoint_state, merged_weights
+    from trainer.lora import load_policy_checkpoint_state, merged_weights
 
     policy_state = load_file(str(checkpoint / "policy.safetensors"))
     anchor_state = load_file(str(checkpoint / "anchor.safetensors")) if anchor else None

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.qa import AnswerableSubset, QAExample
-from eval.metrics import normalize_answer
+from data.qa import normalize_answer
 
 
 def answer_in_passages(golden_answers: Iterable[str], passages: Sequence[str]) -> bool:

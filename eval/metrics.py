@@ -1,26 +1,15 @@
 """Answer metrics with FlashRAG's (= SQuAD's) semantics. EM is the RL reward; cover-EM and F1 are reported only.
-
-normalize_answer: lowercase, delete ASCII punctuation, replace whole words a/an/the with a space, collapse
-whitespace. Order matters and is FlashRAG's: punctuation goes before articles, so "the." -> "the" -> "".
+Answers are compared after data.qa.normalize_answer (there, so that the agent's demonstrations use it too).
 """
 
 from __future__ import annotations
 
-import re
-import string
 from collections import Counter
 from collections.abc import Iterable
 
-_PUNCTUATION = set(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
+from data.qa import normalize_answer
+
 _YES_NO = {"yes", "no", "noanswer"}
-
-
-def normalize_answer(text: str) -> str:
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
 
 
 def exact_match(prediction: str | None, golden_answers: Iterable[str]) -> float:

@@ -202,7 +202,7 @@ def test_an_evaluation_that_fails_still_restores_the_policy(tmp_path):
 
 
 def test_a_lora_anchor_is_refused():
-    from trainer.learner.lora import apply_lora
+    from trainer.lora import apply_lora
 
     policy = apply_lora(tiny_policy(), 2, 4.0, ["proj"], 0.0)
     with pytest.raises(TypeError, match="LoRA"), anchor_weights_in(policy, ema_anchor(policy)):

@@ -166,7 +166,7 @@ def test_the_anchor_exports_as_the_comparison_evaluates_it(runs, tmp_path):
 def lora_inside(runs):
     """The LoRA run's policy as the trainer holds it: its model, the SFT base (`--init`), the adapters."""
     from agent.policy import load_policy
-    from trainer.learner.lora import apply_lora, load_base_weights, load_policy_checkpoint_state
+    from trainer.lora import apply_lora, load_base_weights, load_policy_checkpoint_state
     from trainer.run.checkpoint import load_policy_weights
 
     _, ckpt = checkpoint_of(runs["lora"])
@@ -178,7 +178,7 @@ def lora_inside(runs):
 
 
 def test_a_lora_policy_exports_merged_on_the_base_it_was_trained_on(runs, tmp_path):
-    from trainer.learner.lora import merged_weights
+    from trainer.lora import merged_weights
 
     out = tmp_path / "lora-policy"
     output = run_cli("export", str(runs["lora"]), "--out", str(out))

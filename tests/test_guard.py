@@ -23,10 +23,9 @@ from test_training import (  # noqa: F401 (peaked_model: a fixture)
 from trainer.learner.batch import collate
 from trainer.config import GuardSection, load_config
 from trainer.run.workers import PolicyTrainer
+from trainer.learner.step_guard import GuardError, StepGuard
 from trainer.run.guard import (
     Guard,
-    GuardError,
-    StepGuard,
     bounds_rule,
     collapse_rules,
     entropy_rise_rule,

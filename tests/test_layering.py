@@ -76,3 +76,47 @@ def test_docstrings_cite_documents_inside_the_repository():
     outside = [f"{path.relative_to(ROOT)}:{i}" for path in sources(*PACKAGES, "tests", "benchmarks")
                for i, line in enumerate(path.read_text().splitlines(), 1) if cited in line]
     assert not outside, f"cite docs/algorithm.md (inside the repository), not the design file outside it: {outside}"
+
+
+# The layers, lowest first (docs/architecture.md): a module may import its own layer and those below it. data is read
+# by all; the retriever is reached from above only through its client; agent rolls out; eval scores agents; trainer
+# trains. Inside trainer: the algorithm at its top level, then trainer/learner/, then trainer/run/ (the run drives the
+# learner, never the other way). emapg (the commands) and experiments assemble everything.
+LAYERS = {"data": 0, "retriever": 1, "agent": 2, "eval": 3, "trainer": 4, "trainer.learner": 5, "trainer.run": 6,
+          "emapg": 7, "experiments": 7}
+
+
+def layer(module: str) -> int | None:
+    """The layer of a dotted module name (the longest listed prefix), None for what is not the project's."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    return None
+
+
+def upward_imports(paths: list[Path]) -> list[str]:
+    bad = []
+    for path in paths:
+        own = layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        bad += [f"{path.relative_to(ROOT)}:{line} {module}" for line, module in imported_modules(path)
+                if (theirs := layer(module)) is not None and theirs > own]
+    return bad
+
+
+def test_no_module_imports_from_a_higher_layer():
+    bad = upward_imports(sources(*PACKAGES))
+    assert not bad, f"an import that points up a layer (LAYERS above): {bad}"
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The check itself can fail: a learner module importing the run, and an agent module importing eval."""
+    fake_root = tmp_path / "project"
+    for name, text in {"trainer/learner/fake_up.py": "from trainer.run.guard import Guard\n",
+                       "agent/fake_up.py": "def f():\n    from eval.metrics import exact_match\n",
+                       "trainer/fake_down.py": "from data.qa import normalize_answer\n"}.items():
+        (fake_root / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake_root / name).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
+    bad = upward_imports(sorted(fake_root.rglob("*.py")))
+    assert sorted(hit.split(":")[0] for hit in bad) == ["agent/fake_up.py", "trainer/learner/fake_up.py"]

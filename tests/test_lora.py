@@ -1,4 +1,4 @@
-"""LoRA (trainer/learner/lora.py, trainer.ema.LoraEmaAnchor): the anchor is exactly the EMA of the policy's effective weights
+"""LoRA (trainer/lora.py, trainer.ema.LoraEmaAnchor): the anchor is exactly the EMA of the policy's effective weights
 W0 + s B A (against a full-weight EMA reference, where averaging A and B separately is not); only the adapters train;
 engines get merged weights; checkpoints hold the adapters and the anchor's deltas and restore a run exactly."""
 
@@ -16,7 +16,7 @@ from trainer.run.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, load_config
 from trainer.ema import EmaAnchor, LoraEmaAnchor, ema_anchor
 from trainer.run.workers import PolicyTrainer
-from trainer.learner.lora import BASE_FINGERPRINT, apply_lora, lora_layers, merged_weights
+from trainer.lora import BASE_FINGERPRINT, apply_lora, lora_layers, merged_weights
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -152,7 +152,7 @@ def test_only_the_adapters_train_and_engines_get_the_merged_weights(tiny_model, 
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(tiny_model(ids).logits, policy(ids).logits, atol=1e-3)  # the adapters count
-    from trainer.learner.lora import engine_weights
+    from trainer.lora import engine_weights
 
     assert dict(engine_weights(policy)).keys() == dict(plain.named_parameters()).keys()  # vLLM's in-process sync
 

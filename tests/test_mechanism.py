@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.corpus import read_jsonl
-from eval.metrics import normalize_answer
+from data.qa import normalize_answer
 from eval.seed_stats import bootstrap_interval, holm, sign_flip_p
 from experiments.mechanism.analysis import mean_ci, paired, summarise
 from experiments.mechanism.cell import curve_summary, smoothed

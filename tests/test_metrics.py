@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.metrics import cover_exact_match, exact_match, f1, normalize_answer
+from data.qa import normalize_answer
+from eval.metrics import cover_exact_match, exact_match, f1
 
 
 @pytest.mark.parametrize(

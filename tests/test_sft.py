@@ -14,7 +14,7 @@ import torch
 from agent.protocol import format_hits, observation_ids, prompt_ids, prompt_text
 from agent.trajectory import Trajectory, load_jsonl
 from data.qa import QAExample
-from eval.metrics import normalize_answer
+from data.qa import normalize_answer
 from retriever.client import Hit, RetrieverClient
 from trainer.config import load_config
 from agent.demonstrations import build_demonstrations, gold_in_hits, keyword_query

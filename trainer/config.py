@@ -156,7 +156,7 @@ class KLSection(Section):
 
 class LoRASection(Section):
     """LoRA adapters (peft) on the policy: W = W0 + (alpha / rank) B A in each targeted Linear, W0 frozen, only A and
-    B trained (trainer/learner/lora.py); the EMA anchor is then W0 + D with D the EMA of (alpha / rank) B A, exactly
+    B trained (trainer/lora.py); the EMA anchor is then W0 + D with D the EMA of (alpha / rank) B A, exactly
     (trainer.ema.LoraEmaAnchor). A section of its own: `model` stays the plain name or folder it always was."""
 
     rank: int = Field(0, ge=0)  # 0 = off: full fine-tuning

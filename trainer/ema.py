@@ -188,7 +188,7 @@ class LoraEmaAnchor:
     """
 
     def __init__(self, policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> None:
-        from trainer.learner.lora import delta_weight, lora_layers
+        from trainer.lora import delta_weight, lora_layers
 
         self.dtype = dtype
         layers = lora_layers(policy)
@@ -213,7 +213,7 @@ class LoraEmaAnchor:
 
     def _policy_deltas(self, policy: nn.Module) -> Iterator[Tensor]:
         """s B A of each of the policy's adapted modules (fp32), one at a time: at most one dense matrix transient."""
-        from trainer.learner.lora import delta_weight, lora_layers
+        from trainer.lora import delta_weight, lora_layers
 
         layers = lora_layers(policy)
         if [name for name, _ in layers] != self._names:
@@ -288,6 +288,6 @@ def anchor_weights_in(policy: nn.Module, anchor: EmaAnchor | LoraEmaAnchor) -> I
 
 def ema_anchor(policy: nn.Module, *, dtype: torch.dtype = torch.float32) -> EmaAnchor | LoraEmaAnchor:
     """The policy's EMA anchor: over its adapters' effective weights under LoRA, else a full copy."""
-    from trainer.learner.lora import uses_lora
+    from trainer.lora import uses_lora
 
     return LoraEmaAnchor(policy, dtype=dtype) if uses_lora(policy) else EmaAnchor(policy, dtype=dtype)

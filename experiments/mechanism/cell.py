@@ -10,7 +10,8 @@ The cell's folder keeps metrics.jsonl, the last iteration's trajectories and res
 iterations' trajectories are deleted once measured (tens of MB per run, a sweep has dozens).
 
 Collapse: a run collapses when a logged loss, KL or gradient norm is non-finite, or training stopped on non-finite
-values, or its smoothed training reward (trailing mean over SMOOTH iterations) ends below half its peak.
+values, or its smoothed training reward (trailing mean over SMOOTH iterations) ends below half its peak
+(trainer/collapse.py: the studies' share, and why the guard's is another).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from experiments.mechanism.kl_gradient_variance import kl_gradient_moments
 from experiments.mechanism.policy import eval_settings, greedy_eval, tiny_policy
 from experiments.mechanism.sweep import Cell, StudyConfig, train_overrides
 from retriever.client import RetrieverError
+from trainer.collapse import STUDY_SHARE, reward_fell
 from trainer.learner.batch import collate
 from trainer.learner.logprobs import response_logits
 from trainer.run.metrics_log import FLAT_NAMES
@@ -59,7 +61,7 @@ def curve_summary(rewards: list[float], finite: bool) -> dict:
     reason = None
     if not finite:
         reason = "non-finite loss, KL or gradient"
-    elif final < 0.5 * peak:
+    elif reward_fell(final, peak, STUDY_SHARE):
         reason = f"smoothed reward fell from {peak:.3f} to {final:.3f}"
     return {"auc": float(np.mean(rewards)), "final_train_reward": final, "peak_train_reward": peak,
             "collapsed": reason is not None, "collapse_reason": reason}

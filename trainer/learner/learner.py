@@ -40,7 +40,7 @@ from trainer.learner.logprobs import ResponseLogprobs, TokenLogprobs, autocast
 from trainer.policy_loss import masked_mean, ppo_clip_loss
 from trainer.registry import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from trainer.rollout_correction import truncated_is_weights
-from trainer.run.guard import StepGuard
+from trainer.learner.step_guard import StepGuard
 
 
 def micro_batches(rows: Tensor, size: int) -> list[Tensor]:

@@ -1,7 +1,7 @@
 """The training-health guard: a non-finite loss or gradient never reaches the weights, collapse signals are logged
 every iteration, and (optionally) a collapse rolls the run back to its last good checkpoint at a lower learning rate.
 
-    per optimizer step (trainer.learner.learner, `StepGuard`): a micro-batch loss or the gradient norm that is not finite
+    per optimizer step (trainer.learner.step_guard, `StepGuard`, in the learner): a micro-batch loss or the gradient norm that is not finite
         skips the whole step (gradients dropped, no AdamW step, no scheduler step); `max_consecutive_skips` skipped
         steps in a row stop the run. Under DDP/FSDP the ranks agree: the gradient norm is taken after the all-reduce
         (the same on every rank) and the first bad micro-batch is all-reduced too.
@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.collapse import reward_fell
+from trainer.learner.step_guard import GuardError
 from trainer.run.metrics_log import merge_metrics
 from trainer.config import GuardSection
 
@@ -34,10 +36,6 @@ log = logging.getLogger("emapg.guard")
 EVENTS_FILE = "guard_events.jsonl"
 # Metrics that must be finite every iteration (the learning ones exist when at least one optimizer step was taken).
 FINITE_METRICS = ("rollout/reward", "loss/policy", "kl/anchor", "loss/entropy", "loss/grad_norm", "kl/anchor_distance")
-
-
-class GuardError(RuntimeError):
-    """The guard stopped the run: too many non-finite steps in a row, or a collapse with no rollback left."""
 
 
 # ---- pure functions: signals and rules -------------------------------------------------------------------------------
@@ -56,7 +54,7 @@ def nonfinite_rule(metrics: dict[str, float], keys: Sequence[str] = FINITE_METRI
 def reward_collapse_rule(smoothed: float, peak: float, iteration: int, cfg: GuardSection) -> str | None:
     if cfg.reward_drop is None or iteration <= cfg.warmup_iterations or peak < cfg.min_reward_peak:
         return None
-    if smoothed < cfg.reward_drop * peak:
+    if reward_fell(smoothed, peak, cfg.reward_drop):
         return (f"reward (mean of the last {cfg.reward_window} iterations) {smoothed:.4g} < {cfg.reward_drop} x "
                 f"its peak {peak:.4g}")
     return None
@@ -119,29 +117,6 @@ def scale_learning_rate(optimizer: dict[str, Any], scheduler: dict[str, Any], fa
 
 
 # ---- orchestration ---------------------------------------------------------------------------------------------------
-
-class StepGuard:
-    """The learner's per-optimizer-step check, with the count of skipped steps in a row (across iterations)."""
-
-    def __init__(self, max_consecutive_skips: int):
-        self.max_consecutive_skips = max_consecutive_skips
-        self.in_a_row = 0
-
-    def skip(self, bad_micro_batch: int | None, grad_norm: float, where: str) -> bool:
-        """True when the step must be skipped: micro-batch `bad_micro_batch` (its index in the mini-batch) had a
-        non-finite loss, or the gradient norm is not finite. Raises GuardError at the limit of skips in a row."""
-        if bad_micro_batch is None and math.isfinite(grad_norm):
-            self.in_a_row = 0
-            return False
-        self.in_a_row += 1
-        what = (f"micro-batch {bad_micro_batch} had a non-finite loss" if bad_micro_batch is not None
-                else f"the gradient norm is {grad_norm} (every micro-batch's loss was finite)")
-        if self.in_a_row >= self.max_consecutive_skips:
-            raise GuardError(f"guard: {self.in_a_row} optimizer steps in a row skipped (guard.max_consecutive_skips="
-                             f"{self.max_consecutive_skips}); the last at {where}: {what}")
-        log.warning("guard: skipped the optimizer step at %s: %s", where, what)
-        return True
-
 
 @dataclass
 class GuardEvent:

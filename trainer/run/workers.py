@@ -30,7 +30,7 @@ from trainer.run.checkpoint import (
 from trainer.config import TrainConfig
 from trainer.learner.data_parallel import fsdp_logits
 from trainer.ema import anchor_weights_in, ema_anchor, should_update_ema
-from trainer.learner.lora import (
+from trainer.lora import (
     apply_lora,
     engine_weights,
     load_base_weights,
