@@ -124,7 +124,7 @@ evidence-record:
 # remade bit for bit only on the CPU kind that made it, and compare refuses another): its
 # inputs (reused when on disk), its committed record unpacked (--skip-old-files: never over a newer file on disk),
 # then the study, which skips every finished run. `make two-hop-record` packs what finished into the record.
-# The Intel block (the plan's session 23): make two-hop TWO_HOP=artifacts/two-hop-intel
+# The Intel block (the plan's entry of 2026-12-05): make two-hop TWO_HOP=artifacts/two-hop-intel
 #   TWO_HOP_RECORD=docs/evidence/two-hop-intel TWO_HOP_SEEDS=0,6   (its own SFT start, made on that CPU kind)
 TWO_HOP := artifacts/two-hop
 TWO_HOP_RECORD := docs/evidence/two-hop
