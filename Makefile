@@ -66,6 +66,14 @@ $(TRL_VENV)/.installed-stamp:
 bench-trl: setup $(TRL_VENV)/.installed-stamp
 	$(PY) benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python $(BENCH_TRL_ARGS)
 
+# README's time table from a measurement (benchmarks/front_door_times.py): `make test` and `make demo` timed on this
+# machine, installed, then this machine kind's rows rewritten in README and docs/benchmarks.md and the JSON line kept
+# in docs/evidence/front_door_times.jsonl. ~35 min on 2 cores; run it alone on the machine.
+TIMES_ARGS ?=
+.PHONY: times
+times: setup
+	$(PY) benchmarks/front_door_times.py $(TIMES_ARGS)
+
 # pytest exits 5 when it collects no tests: that is a failure here, never a pass. Debian's chromium renders
 # `emapg view`'s page in tests/test_viewer.py (headless; installed once, when missing).
 test: setup
@@ -124,7 +132,7 @@ evidence-record:
 # remade bit for bit only on the CPU kind that made it, and compare refuses another): its
 # inputs (reused when on disk), its committed record unpacked (--skip-old-files: never over a newer file on disk),
 # then the study, which skips every finished run. `make two-hop-record` packs what finished into the record.
-# The Intel block (the plan's session 23): make two-hop TWO_HOP=artifacts/two-hop-intel
+# The Intel block (the plan's entry of 2026-12-05): make two-hop TWO_HOP=artifacts/two-hop-intel
 #   TWO_HOP_RECORD=docs/evidence/two-hop-intel TWO_HOP_SEEDS=0,6   (its own SFT start, made on that CPU kind)
 TWO_HOP := artifacts/two-hop
 TWO_HOP_RECORD := docs/evidence/two-hop

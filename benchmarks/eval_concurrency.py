@@ -1,6 +1,6 @@
 """The held-out evaluation on vLLM, laid out in different ways, in one run on one engine: per set (each set its own
 continuous run, rollout.max_in_flight trajectories in flight, so each set ends on a tail of a few long trajectories)
-against the sets pooled into one continuous run (eval.harness.evaluate's way since session 15), and more
+against the sets pooled into one continuous run (eval.harness.evaluate's way since e8ed015, 2026-12-02), and more
 trajectories in flight. Prints one JSON line.
 
     python benchmarks/eval_concurrency.py --init artifacts/runs/cpu-demo/sft \

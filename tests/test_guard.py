@@ -74,7 +74,7 @@ def test_reward_rule_waits_for_warm_up_and_a_peak_worth_falling_from():
 
 
 def test_default_rules_never_fire_on_a_healthy_noisy_cpu_compare_run():
-    # Per-iteration rewards with the spread the cpu_compare run logged (docs/benchmarks.md: 0.09-0.52, mean ~0.2).
+    # Per-iteration rewards with the spread the cpu_compare run logged (0.09-0.52, mean ~0.2; docs/history/).
     rewards = [0.25, 0.09, 0.52, 0.17, 0.12, 0.30, 0.09, 0.14, 0.21, 0.38, 0.10, 0.09, 0.16, 0.27, 0.11, 0.09,
                0.44, 0.13, 0.19, 0.10] * 3
     assert not any(rules for _, rules, _ in observe_rewards(rewards))

@@ -34,7 +34,7 @@ def test_mcnemar_p_matches_hand_computed_binomial_tails():
     assert mcnemar_exact_p(9, 1) == pytest.approx(22 / 1024, rel=1e-12)
     # 0 vs 5: 2 * (1/2)^5.
     assert mcnemar_exact_p(0, 5) == pytest.approx(2 / 32, rel=1e-12)
-    # 7 gained, 2 lost (docs/benchmarks.md's EMA-PG @ 20 against SFT): 2 * (1 + 9 + 36) / 512 = 0.1797.
+    # 7 gained, 2 lost (`make compare` in docs/history/benchmarks-2026.md): 2 * (1 + 9 + 36) / 512 = 0.1797.
     assert mcnemar_exact_p(7, 2) == pytest.approx(92 / 512, rel=1e-12)
     assert mcnemar_exact_p(3, 3) == 1.0
 
