@@ -141,7 +141,7 @@ two-hop: setup
 	$(PY) -m experiments.two_hop.prepare --out $(TWO_HOP)
 	for f in $(TWO_HOP_RECORD)/*.tar.gz; do [ ! -e $$f ] || tar -xzf $$f --skip-old-files -C $(TWO_HOP); done
 	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(TWO_HOP)/index --eval-every 8 \
-	  --seeds $(TWO_HOP_SEEDS) --methods GRPO-floor,GRPO-k3c,EMA-k3c,EMA-PG,EMA-PG-released \
+	  --seeds $(TWO_HOP_SEEDS) --methods $$($(PY) -m trainer.methods two-hop) \
 	  --compare EMA-PG:GRPO-k3c,EMA-k3c:GRPO-k3c,EMA-PG:EMA-k3c,EMA-PG-released:EMA-PG \
 	  out_dir=$(TWO_HOP) data.flashrag_root=$(TWO_HOP)/flashrag
 	$(PY) -m experiments.two_hop.analyse --out $(TWO_HOP)
@@ -173,7 +173,7 @@ study-b: setup
 	mkdir -p $(STUDY_B)/stage2
 	for f in $(STUDY_B_RECORD)/stage2/*.tar.gz; do [ ! -e $$f ] || tar -xzf $$f --skip-old-files -C $(STUDY_B)/stage2; done
 	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(STUDY_B)/index --init $(STUDY_B)/two-hop/sft \
-	  --eval-every 8 --seeds 201,202,203,204,205,206,207,208 --methods GRPO-k3c,EMA-PG --compare EMA-PG:GRPO-k3c \
+	  --eval-every 8 --seeds 201,202,203,204,205,206,207,208 --methods $$($(PY) -m trainer.methods study-b) --compare EMA-PG:GRPO-k3c \
 	  out_dir=$(STUDY_B)/stage2 data.flashrag_root=$(STUDY_B)/flashrag train.lr=1e-4 train.grad_probe_every=1 \
 	  'data.eval=[kb-2hop:test,kb-reworded:test]'
 	$(PY) -m experiments.two_hop.study_b --run $(STUDY_B)/stage2/two-hop

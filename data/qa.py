@@ -22,6 +22,7 @@ import json
 import re
 import string
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -273,6 +274,49 @@ def load_flashrag(dataset: str, split: str | None = None, root: Path | str | Non
             continue
         return load_flashrag_jsonl(path, dataset, s)
     raise FileNotFoundError(f"{FLASHRAG_REPO} has no {' or '.join(f'{dataset}/{s}.jsonl' for s in splits)}")
+
+
+# --- the datasets by name ----------------------------------------------------------------------------------------
+
+# name -> loader(split, flashrag_root): split "auto" is FlashRAG's choice (test where labelled, else dev). What
+# `data.train` / `data.eval`, `emapg eval --datasets` and the studies accept is this table; a new dataset is one
+# `@qa_dataset("name")` loader in one file, imported before its name is used.
+QA_DATASETS: dict[str, Callable[[str, Path | None], list[QAExample]]] = {}
+
+
+def qa_dataset(name: str) -> Callable[[Callable], Callable]:
+    def register(loader: Callable[[str, Path | None], list[QAExample]]) -> Callable:
+        if name in QA_DATASETS:
+            raise ValueError(f"QA dataset {name!r} is already registered")
+        QA_DATASETS[name] = loader
+        return loader
+
+    return register
+
+
+def load_qa(name: str, split: str, flashrag_root: Path | None = None) -> list[QAExample]:
+    """One dataset's examples by name: a registered one, or a folder of one's own in FlashRAG's format under
+    `flashrag_root` (`<root>/<name>/<split>.jsonl`)."""
+    if name in QA_DATASETS:
+        return QA_DATASETS[name](split, flashrag_root)
+    if flashrag_root is not None and (Path(flashrag_root) / name).is_dir():
+        return load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
+    raise ValueError(f"unknown QA dataset {name!r}: registered {', '.join(QA_DATASETS)}"
+                     + ("" if flashrag_root is None else f", or a folder of one's own under {flashrag_root}"))
+
+
+def _register_flashrag(name: str) -> None:
+    """One of FlashRAG's seven: NQ and TriviaQA from the packaged jar when no FlashRAG folder is given (the CPU
+    default, no network), else from that folder or the hub."""
+    @qa_dataset(name)
+    def load(split: str, flashrag_root: Path | None) -> list[QAExample]:
+        if flashrag_root is None and name in _PACKAGED_MEMBER_NAMES:
+            return load_packaged(name, split)  # type: ignore[arg-type]
+        return load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
+
+
+for _name in FLASHRAG_DATASETS:
+    _register_flashrag(_name)
 
 
 # --- the answerable subset -----------------------------------------------------------------------------------

@@ -21,15 +21,9 @@ ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
 
 
 def load_datasets(names: list[str], split: str, flashrag_root: Path | None) -> dict[str, list[QAExample]]:
-    from data.qa import load_flashrag, load_packaged
+    from data.qa import load_qa
 
-    out = {}
-    for name in names:
-        if flashrag_root is None and name in ("nq", "triviaqa"):
-            out[name] = load_packaged(name, split)  # type: ignore[arg-type]
-        else:
-            out[name] = load_flashrag(name, None if split == "auto" else split, root=flashrag_root)
-    return out
+    return {name: load_qa(name, split, flashrag_root) for name in names}
 
 
 def answerable(examples: list[QAExample], client, k: int, tag: str, name: str) -> list[QAExample]:

@@ -133,5 +133,5 @@ def test_eval_cli_names_bad_options(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "--topk: Input should be greater than or equal to 1" in " ".join(
         result.output.split())
     result = CliRunner().invoke(app, ["eval", "--datasets", "squad", "--flashrag-root", "/nonexistent"])
-    assert result.exit_code == 2 and "unknown FlashRAG dataset 'squad'" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "unknown QA dataset 'squad'" in " ".join(result.output.split())
     assert not (tmp_path / "artifacts").exists()  # refused before any index was built (it took minutes)

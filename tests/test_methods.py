@@ -20,11 +20,17 @@ def test_every_studys_arms_are_methods_and_make_a_valid_config():
             METHODS[arm].config(base)  # validated again: a method whose keys the config refuses fails here
 
 
-def test_the_makefiles_two_hop_target_runs_the_two_hop_studys_arms():
+def test_the_makefiles_study_targets_read_their_arms_from_the_table():
+    import subprocess
+    import sys
+
     makefile = (ROOT / "Makefile").read_text()
-    target = makefile[makefile.index("\ntwo-hop: setup"):]
-    methods = re.search(r"--methods (\S+)", target).group(1)
-    assert tuple(methods.split(",")) == STUDIES["two-hop"]
+    for target, study in (("two-hop", "two-hop"), ("study-b", "study-b")):
+        recipe = makefile[makefile.index(f"\n{target}: setup"):]
+        assert f"--methods $$($(PY) -m trainer.methods {study})" in recipe.split("\n\n")[0]
+        printed = subprocess.run([sys.executable, "-m", "trainer.methods", study], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+        assert tuple(printed.split(",")) == STUDIES[study]
 
 
 def test_the_stability_preset_and_analysis_read_the_stability_studys_arms():

@@ -22,10 +22,15 @@ class Section(BaseModel):
 
 
 def registered(table: registry.Registry, name: str, *also: str) -> str:
-    """`name` if it is registered in `table` (trainer.registry: declared there, so no algorithm module is imported)
-    or one of `also`, else an error listing them all."""
-    if name not in also and name not in table.names():
-        raise ValueError(f"unknown {table.kind} {name!r}; registered: {', '.join((*table.names(), *also))}")
+    """`name` if it is registered in `table` (a built-in declared in trainer.registry needs no algorithm module
+    imported; any other name is looked for in the module that defines the built-ins) or one of `also`, else an error
+    listing them all."""
+    if name in also:
+        return name
+    try:
+        table.check(name)
+    except ValueError:
+        raise ValueError(f"unknown {table.kind} {name!r}; registered: {', '.join((*table.names(), *also))}") from None
     return name
 
 

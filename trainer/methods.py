@@ -73,11 +73,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
-# Each study's arms, in its plan's order (docs/study_two_hop_plan.md, docs/study_stability_plan.md): the experiments,
-# their analyses and the Makefile's study targets read them from here (tests/test_methods.py checks the Makefile).
+# Each study's arms, in its plan's order (docs/study_two_hop_plan.md, docs/study_stability_plan.md,
+# docs/study_b_plan.md, docs/study_c_plan.md): the experiments, their analyses and the Makefile's study targets
+# (`python -m trainer.methods STUDY`) read them from here, so a new arm is an entry in this file.
 STUDIES: dict[str, tuple[str, ...]] = {
     "two-hop": ("GRPO-floor", "GRPO-k3c", "EMA-k3c", "EMA-PG", "EMA-PG-released"),
     "stability": ("GRPO-k3c", "GRPO-floor", "EMA-k3c", "EMA-PG"),
+    "study-b": ("GRPO-k3c", "EMA-PG"),
     "study-c": ("EMA-PG", "EMA-k3c", "EMA-PG-weak", "EMA-k3c-strong", "EMA-PG-tail", "GRPO-k3c", "GRPO-k3c-warmup",
                 "EMA-PG-warmup"),
 }
@@ -91,3 +93,9 @@ def chosen_methods(spec: str) -> list[Method]:
     if unknown or not asked:
         raise ValueError(f"unknown methods {unknown or [spec]}: choose from {', '.join(METHODS)}")
     return [method for name, method in METHODS.items() if name.lower() in asked]
+
+
+if __name__ == "__main__":  # `python -m trainer.methods STUDY`: its arms, comma-separated (the Makefile's --methods)
+    import sys
+
+    print(",".join(STUDIES[sys.argv[1]]))

@@ -4,9 +4,10 @@ Each is a pure function registered where it is defined (trainer/kl.py, trainer/a
 trainer/policy_loss.py) into a registry here; the learner and the loop look functions up here, and the config checks
 names here. This module imports neither torch nor the rest of the project, so validating a config loads no algorithm
 (and no torch), and the algorithm modules import it without a circle. For a typo to fail validation all the same,
-each registry declares the names its module registers (and, for KL estimators, what each reads); registering one of
-them checks that its registration says the same, and tests/test_registry.py that each declared one is registered.
-Adding one is one decorated function in one file:
+each registry declares the names its module registers (and, for KL estimators, what each reads): a fast path for the
+built-ins, not a second list to keep. Registering one of them checks that its registration says the same, and
+tests/test_registry.py that each declared one is registered; a name not declared makes the check import the module
+that defines the built-ins and look again. Adding one is one decorated function in one file:
 
     from trainer.kl import KLInputs, sampled_kl
     from trainer.registry import KLReads, register_kl_estimator
@@ -16,8 +17,8 @@ Adding one is one decorated function in one file:
         return 2 * sampled_kl(x.token_logprob, x.ref_token_logprob, "k2", old_logprob=x.old_token_logprob,
                               iw_clip=x.iw_clip)
 
-then `kl.estimator=k2x2`, once the module that registers it is imported before the config is loaded (a built-in is
-added to its registry's declared names instead). A lookup (`get`) of a declared name imports the module that defines
+then `kl.estimator=k2x2`: in trainer/kl.py (a built-in) nothing else changes; elsewhere, once the module that
+registers it is imported before the config is loaded. A lookup (`get`) of a declared name imports the module that defines
 it first, so no caller depends on what happened to be imported before (the viewer scores a run's rollouts in a
 process that never trained).
 """
@@ -54,6 +55,8 @@ class Registry(Generic[Entry]):
         return entry
 
     def check(self, name: str) -> None:
+        if name not in self.declared:  # a built-in added to `defined_in` without a declaration here: look there
+            importlib.import_module(self.defined_in)
         if name not in self.declared:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
 
