@@ -137,8 +137,8 @@ def adopt(
     link: Annotated[str, typer.Option(help="how the folder holds the FAISS file: symlink (no copy; the file must "
                                       "stay where it is), hardlink (same filesystem), or copy")] = "symlink",
     copy_corpus: Annotated[bool, typer.Option(help="copy the corpus into the folder (default: reference it)")] = False,
-    sample: Annotated[int, typer.Option(min=1, help="passages re-encoded and compared with their stored "
-                                        "vectors")] = 64,
+    sample: Annotated[str, typer.Option(help="passages re-encoded and compared with their stored vectors (plus "
+                                        "the first and last), or `all`: every row (docs/retriever.md)")] = "64",
     query_prefix: Annotated[str | None, typer.Option(help="override the encoder's query prefix")] = None,
     passage_prefix: Annotated[str | None, typer.Option(help="override the encoder's passage prefix")] = None,
     device: Annotated[str, typer.Option(help="encoder device for the sample: cpu, cuda")] = "cpu",
@@ -149,7 +149,7 @@ def adopt(
     """Adopt a FAISS index built elsewhere (Search-R1's wiki-18 e5 index): write our manifest beside it without
     re-encoding the corpus, after checking vector count, dimension, norms and a re-encoded sample; a mismatch is
     refused by name (docs/retriever.md)."""
-    from retriever.adopt import AdoptionRefused, Check, adopt_faiss_index
+    from retriever.adopt import AdoptionRefused, Check, adopt_faiss_index, sample_size
 
     def show(check: Check) -> None:
         from rich.markup import escape
@@ -160,7 +160,7 @@ def adopt(
     try:
         manifest = adopt_faiss_index(
             faiss_file, corpus_path, out, encoder=encoder, query_prefix=query_prefix, passage_prefix=passage_prefix,
-            link=link, copy_corpus=copy_corpus, sample=sample, device=device, backend=encoder_backend,
+            link=link, copy_corpus=copy_corpus, sample=sample_size(sample), device=device, backend=encoder_backend,
             overwrite=overwrite, on_check=show,
         )
     except AdoptionRefused as e:
@@ -441,15 +441,35 @@ def eval_command(
     console.print(f"report: {out / 'report.md'}, chart: {out / 'em.png'}, trajectories: {out / 'trajectories'}")
 
 
-def _run_config(ctx: typer.Context, config: Path | None):
-    from transformers import set_seed
-
+def _resolved_config(config: Path | None, overrides: list[str], method: str | None = None):
+    """The run's config: the YAML file, the key=value overrides, then the named arm of trainer/methods.py (whose
+    keys an override may not also set: one of the two would be silently dropped)."""
     from trainer.config import ConfigError, load_config
+    from trainer.methods import METHODS
 
     try:
-        cfg = load_config(config, list(ctx.args))
+        cfg = load_config(config, overrides)
     except ConfigError as e:
         _fail(str(e))
+    if method is None:
+        return cfg
+    chosen = METHODS.get({name.lower(): name for name in METHODS}.get(method.lower(), ""))
+    if chosen is None:
+        _fail(f"--method: unknown method {method!r}; choose from {', '.join(METHODS)}")
+    clashes = [o.partition("=")[0] for o in overrides if o.partition("=")[0].strip() in chosen.overrides]
+    if clashes:
+        _fail(f"--method {chosen.name} sets {', '.join(clashes)} itself ({chosen.about}): drop the override or the "
+              "method")
+    try:
+        return chosen.config(cfg)
+    except ValueError as e:
+        _fail(f"--method {chosen.name}: {e}")
+
+
+def _run_config(ctx: typer.Context, config: Path | None, method: str | None = None):
+    from transformers import set_seed
+
+    cfg = _resolved_config(config, list(ctx.args), method)
     set_seed(cfg.seed)
     return cfg
 
@@ -522,15 +542,18 @@ def train(
     resume: Annotated[bool, typer.Option(help="continue the run from its latest checkpoint")] = False,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint's (or run folder's latest) policy, "
                                               "e.g. SFT's; the anchor starts equal to it")] = None,
+    method: Annotated[str | None, typer.Option(help="an arm of trainer/methods.py (GRPO, EMA-k3, EMA-PG, GRPO-k3c, "
+                                               "...): its config keys over the config's")] = None,
 ) -> None:
-    """EMA-PG training. Overrides follow the options as key=value, e.g. `kl.beta=0.01 ema.tau=1.0`."""
+    """EMA-PG training, or another method by --method. Overrides follow the options as key=value, e.g.
+    `kl.beta=0.01 ema.tau=1.0`."""
     from emapg.session import open_session
     from emapg.workflow import print_iteration
     from trainer.run.checkpoint import CheckpointError
     from trainer.run.guard import GuardError, events_markdown
     from trainer.run.loop import Trainer, resume_or_start
 
-    cfg = _run_config(ctx, config)
+    cfg = _run_config(ctx, config, method)
     _ensure_index(cfg.retriever.index, cfg.retriever.url, cfg.rollout.mode != "direct")
     _log_to(cfg.run_dir)
     with open_session(cfg) as session:
