@@ -515,10 +515,11 @@ def sft(
     config: Annotated[Path | None, typer.Option(help="YAML config (configs/cpu_demo.yaml, ...); its sft section")] = None,
 ) -> None:
     """Warm start: build protocol demonstrations with the real retriever, then supervised training on their model
-    tokens. Writes <run>/sft/checkpoints/ for `emapg train --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
-    from agent.policy import load_policy
+    tokens, then a held-out evaluation and a verdict (protocol learned? answers learned?), exiting 1 when a floor
+    (sft.min_format, sft.min_em) is not met (docs/training.md). Writes <run>/sft/checkpoints/ for `emapg train
+    --init`. Overrides as key=value, e.g. `sft.lr=1e-5`."""
     from emapg.session import open_session
-    from emapg.workflow import build_sft_data, run_sft
+    from emapg.sft_start import sft_start
 
     cfg = _run_config(ctx, config)
     if cfg.rollout.mode != "agent":
@@ -526,12 +527,16 @@ def sft(
     _ensure_index(cfg.retriever.index, cfg.retriever.url)
     _log_to(cfg.sft_dir)
     with open_session(cfg) as session:
-        examples = _train_questions(cfg, session.client, session.index_tag)
-        tokenizer = session.tokenizer
-        demos = build_sft_data(cfg, session.client, tokenizer, examples)
-    if not demos:
-        _fail("no demonstrations: no train question's retrieved documents show its gold answer")
-    path = run_sft(cfg, load_policy(cfg.model, dtype=cfg.dtype), tokenizer, demos)
+        try:
+            path, verdict = sft_start(cfg, session)
+        except (ValueError, FileNotFoundError) as e:
+            _fail(str(e))
+    for line in [] if verdict is None else verdict.lines:
+        console.print(line, highlight=False)
+    if verdict is not None and not verdict.ok:
+        console.print(f"[bold red]the SFT start fails its floors:[/] {'; '.join(verdict.failures)} "
+                      f"({cfg.sft_dir / 'evaluations.json'}); its checkpoint: {path}", highlight=False)
+        raise typer.Exit(1)
     console.print(f"done: {path}; start RL with `emapg train --init {cfg.sft_dir}`")
 
 

@@ -197,6 +197,18 @@ class SFTSection(Section):
     warmup_steps: int = Field(4, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    eval_questions: int = Field(20, ge=0)
+    eval_every: int = Field(0, ge=0)
+    min_format: float | None = Field(None, ge=0, le=1)
+    min_em: float | None = Field(None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _floors_need_an_evaluation(self) -> SFTSection:
+        floors = [name for name in ("min_format", "min_em") if getattr(self, name) is not None]
+        if floors and not self.eval_questions:
+            raise ValueError(f"sft.{floors[0]} is a floor on the held-out evaluation, which sft.eval_questions=0 "
+                             "turns off")
+        return self
 
 
 class DistributedSection(Section):
