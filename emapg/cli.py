@@ -236,7 +236,7 @@ def train(
     """EMA-PG training, or another method by --method. Overrides follow the options as key=value, e.g.
     `kl.beta=0.01 ema.tau=1.0`."""
     from emapg.session import open_session
-    from emapg.workflow import print_iteration
+    from emapg.workflow import train_with_progress
     from trainer.run.checkpoint import CheckpointError
     from trainer.run.guard import GuardError, events_markdown
     from trainer.run.loop import Trainer, resume_or_start
@@ -267,7 +267,7 @@ def train(
             except (CheckpointError, FileNotFoundError, ValueError) as e:
                 fail(str(e))
             try:
-                trainer.run(progress=print_iteration)
+                train_with_progress(trainer, cfg.name)
             except GuardError as e:
                 fail(f"{e} (events: {trainer.guard.events_path})")
         finally:

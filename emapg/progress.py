@@ -23,8 +23,8 @@ def _clock(seconds: float) -> str:
 class StageProgress:
     """`update(done, status)` after each unit of work; `paused()` around work that prints its own progress."""
 
-    def __init__(self, console: Console, description: str, total: int):
-        self.console, self.description, self.total = console, description, total
+    def __init__(self, console: Console, description: str, total: int, lines: bool = True):
+        self.console, self.description, self.total, self.lines = console, description, total, lines
         self.start = time.perf_counter()
         self.next_line = 1
         self.bar: Progress | None = None
@@ -38,7 +38,7 @@ class StageProgress:
         if self.bar is not None:
             self.bar.update(self.task, completed=done, status=status)
             return
-        if done >= self.next_line or done == self.total:
+        if self.lines and (done >= self.next_line or done == self.total):
             elapsed = time.perf_counter() - self.start
             left = elapsed / done * (self.total - done) if done else float("nan")
             self.console.print(f"{self.description} {done}/{self.total}  {status}  elapsed {_clock(elapsed)}, "
@@ -58,8 +58,9 @@ class StageProgress:
 
 
 @contextmanager
-def stage_progress(console: Console, description: str, total: int) -> Iterator[StageProgress]:
-    progress = StageProgress(console, description, total)
+def stage_progress(console: Console, description: str, total: int, lines: bool = True) -> Iterator[StageProgress]:
+    """A StageProgress for the duration; `lines=False` where the stage prints a line per unit of its own."""
+    progress = StageProgress(console, description, total, lines)
     if progress.bar is None:
         yield progress
         return

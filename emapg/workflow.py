@@ -112,6 +112,18 @@ def run_sft(cfg, policy, tokenizer, demos, evaluate: Callable[[int], None] | Non
     return path
 
 
+def train_with_progress(trainer, description: str) -> None:
+    """`trainer.run()` with a line per iteration (print_iteration) and, on a terminal, a bar below them with the
+    time spent and left (an iteration takes minutes on a CPU: the clock shows it is working)."""
+    with stage_progress(console, description, trainer.cfg.train.iterations, lines=False) as progress:
+
+        def show(iteration: int, m: dict) -> None:
+            print_iteration(iteration, m)
+            progress.update(iteration, f"reward {m['rollout/reward']:.3f}")
+
+        trainer.run(progress=show)
+
+
 def print_iteration(iteration: int, m: dict) -> None:
     # The learning stats are missing when the guard skipped every optimizer step of the iteration.
     learned = {key: m.get(f"loss/{key}", float("nan")) for key in ("clip_fraction", "entropy", "grad_norm")}
