@@ -129,7 +129,7 @@ def _resolved_config(config: Path | None, overrides: list[str], method: str | No
     clashes = [o.partition("=")[0] for o in overrides if o.partition("=")[0].strip() in chosen.overrides]
     if clashes:
         fail(f"--method {chosen.name} sets {', '.join(clashes)} itself ({chosen.about}): drop the override or the "
-              "method")
+             "method")
     try:
         return chosen.config(cfg)
     except ValueError as e:
@@ -182,7 +182,7 @@ def _ensure_index(index_dir: Path, retriever_url=None, needs_retriever: bool = T
         return
     if index_dir.resolve() not in (DEFAULT_INDEX.resolve(), RetrieverConfig().index.resolve()):
         fail(f"no index at {index_dir} (no manifest.json): build it with `emapg index --out {index_dir}` or give a "
-              "running retriever's URL")
+             "running retriever's URL")
     from retriever.encoder import resolve_backend, resolve_dtype
 
     backend = resolve_backend("auto", "cpu", "auto")

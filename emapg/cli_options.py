@@ -20,7 +20,8 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
-from rich.console import Console
+
+from emapg.cli_common import fail
 
 SIMPLE = (int, float, str, bool, Path)
 
@@ -48,11 +49,10 @@ def shown_default(field) -> str | bool:
 
 
 def model_options(into: str, model: type[BaseModel], *names: str, prefix: str = "",
-                  flags: dict[str, str] | None = None, error_console: Console | None = None) -> Callable:
+                  flags: dict[str, str] | None = None) -> Callable:
     """Decorate a typer command: one option per field in `names` (flag --<prefix><field>, or flags[field]), and the
     command's `into` parameter receives `model` validated from them. Stack several for several models."""
     flags = flags or {}
-    errors = error_console or Console()
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command, eval_str=True)
@@ -73,8 +73,7 @@ def model_options(into: str, model: type[BaseModel], *names: str, prefix: str = 
             except ValidationError as e:
                 error = e.errors()[0]
                 name = str(error["loc"][0]) if error["loc"] else names[0]
-                errors.print(f"[bold red]error:[/] {flags.get(name, flag(name, prefix))}: {error['msg']}")
-                raise typer.Exit(2) from None
+                fail(f"{flags.get(name, flag(name, prefix))}: {error['msg']}")
             return command(**kwargs)
 
         kept = [p for p in signature.parameters.values() if p.name != into]
