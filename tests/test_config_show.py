@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
 from agent.settings import RolloutSettings
@@ -79,3 +80,39 @@ def test_options_made_from_fields_carry_the_fields_help_and_default():
         described = " ".join(RolloutSettings.model_fields[name].description.split()[:4])
         assert described in flat, (name, described)
     assert "--limit" in flat and "held-out questions per eval set" in flat and "--wandb-project" in flat
+
+
+class FakeSettings(BaseModel):
+    """A fake settings model for the option maker's unit test."""
+
+    depth: int = Field(3, ge=0, description="how deep to go")
+    label: str = Field("plain", description="what to call it")
+
+
+def test_model_options_make_flags_from_fields_and_refuse_by_flag():
+    import typer
+
+    from emapg.cli_options import model_options
+
+    app_ = typer.Typer()
+    seen = []
+
+    @app_.command()
+    @model_options("settings", FakeSettings, "depth", "label", prefix="fake-", flags={"label": "--name"})
+    def command(settings: FakeSettings, extra: int = 0) -> None:
+        seen.append((settings, extra))
+
+    runner = CliRunner()
+    assert runner.invoke(app_, []).exit_code == 0 and seen.pop() == (FakeSettings(), 0)  # unset: the model's defaults
+    assert runner.invoke(app_, ["--fake-depth", "5", "--name", "x", "--extra", "1"]).exit_code == 0
+    assert seen.pop() == (FakeSettings(depth=5, label="x"), 1)
+    refused = runner.invoke(app_, ["--fake-depth", "-1"])
+    assert refused.exit_code == 2 and "--fake-depth: Input should be greater than or equal to 0" in refused.output
+    shown = " ".join(runner.invoke(app_, ["--help"]).output.replace("│", " ").split())
+    assert "how deep to go" in shown and "what to call it" in shown and "[default: (3)]" in shown
+
+    class Undescribed(BaseModel):
+        depth: int = 3
+
+    with pytest.raises(TypeError, match="Undescribed.depth has no description"):
+        model_options("settings", Undescribed, "depth")(command)
