@@ -18,6 +18,11 @@ from emapg.workflow import ARTIFACTS
 from trainer.config import DataConfig, RetrieverConfig, TrainConfig, WandbSection
 
 
+# `demo` and `compare` serve the config's retriever.index unless told another.
+ConfigIndex = Annotated[Path | None, typer.Option("--index", help="index folder (built if missing); default: the "
+                                                  "config's retriever.index")]
+
+
 def _log_to(folder: Path) -> None:
     """The engine's logs into the run's folder (made here), unless the console is verbose (emapg/console.py)."""
     from emapg.console import log_to
@@ -280,8 +285,7 @@ def train(
 def demo(
     ctx: typer.Context,
     config: ConfigFile = Path("configs/cpu_demo.yaml"),
-    index_dir: Annotated[Path | None, typer.Option("--index", help="index folder (built if missing); default: "
-                                                   "the config's retriever.index")] = None,
+    index_dir: ConfigIndex = None,
 ) -> None:
     """The whole job on the CPU default: index, serve, evaluate the base model, SFT warm start, evaluate, EMA-PG,
     evaluate, report (table with 95% CIs, training curves). Overrides as key=value."""
@@ -303,8 +307,7 @@ def compare(
     eval_every: Annotated[int, typer.Option(min=1, help="held-out evaluation every N iterations and at the end")] = 10,
     methods: Annotated[str, typer.Option(help="comma-separated methods to run: GRPO (fixed reference, k3), EMA-k3 "
                                          "(EMA anchor, k3), EMA-PG (EMA anchor, Top-k)")] = "GRPO,EMA-k3,EMA-PG",
-    index_dir: Annotated[Path | None, typer.Option("--index", help="index folder (built if missing); default: "
-                                                   "the config's retriever.index")] = None,
+    index_dir: ConfigIndex = None,
     seeds: Annotated[str, typer.Option(help="comma-separated training seeds (e.g. 0,1,2,3): every method once per "
                                        "seed, and a report testing the methods across seeds (exact sign-flip, "
                                        "bootstrap, Holm); default: one run at the config's seed")] = "",

@@ -12,6 +12,9 @@ from rich.table import Table
 
 from emapg.cli_common import DEFAULT_INDEX, PACKAGED_CORPUS, app, console, fail, stderr
 
+Overwrite = Annotated[bool, typer.Option(help="replace an existing index folder")]
+RetrieverUrls = Annotated[list[str] | None, typer.Option(help="retriever URL (default http://127.0.0.1:8000); repeat "
+                                                         "it for replicas of one index")]
 
 @app.command()
 def corpus(out: Annotated[Path, typer.Option(help="JSONL file to write")] = PACKAGED_CORPUS) -> None:
@@ -45,7 +48,7 @@ def index(
     encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino "
                                                  "(CPU), or auto (the fastest one that keeps retrieval on a CPU, "
                                                  "torch on a GPU)")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
     from retriever.encoder import resolve_backend, resolve_dtype
@@ -95,7 +98,7 @@ def adopt(
     device: Annotated[str, typer.Option(help="encoder device for the sample: cpu, cuda")] = "cpu",
     encoder_backend: Annotated[str, typer.Option(help="what runs the encoder: torch, onnx, onnx-int8, openvino "
                                                  "(CPU), or auto")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="replace an existing index folder")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Adopt a FAISS index built elsewhere (Search-R1's wiki-18 e5 index): write our manifest beside it without
     re-encoding the corpus, after checking vector count, dimension, norms and a re-encoded sample; a mismatch is
@@ -192,8 +195,7 @@ def print_hits(question: str, hits: list) -> None:
 @app.command()
 def search(
     queries: Annotated[list[str], typer.Argument(help="one or more questions")],
-    url: Annotated[list[str] | None, typer.Option(help="retriever URL (default http://127.0.0.1:8000); repeat it for "
-                                                  "replicas of one index")] = None,
+    url: RetrieverUrls = None,
     topk: Annotated[int, typer.Option(min=1)] = 3,
 ) -> None:
     """Query a running retriever and print the hits."""
@@ -225,8 +227,7 @@ def _served_limits(urls: str | list[str], to: Console = console, timeout_s: floa
 
 @app.command()
 def mcp(
-    url: Annotated[list[str] | None, typer.Option(help="retriever URL (default http://127.0.0.1:8000); repeat it for "
-                                                  "replicas of one index")] = None,
+    url: RetrieverUrls = None,
     transport: Annotated[str, typer.Option(help="stdio (a desktop agent starts this command) or http (streamable "
                                            "HTTP at http://HOST:PORT/mcp, for remote agents)")] = "stdio",
     host: Annotated[str, typer.Option(help="http: bind address; 0.0.0.0 exposes it (set EMAPG_MCP_TOKEN)")] = (
