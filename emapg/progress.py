@@ -23,16 +23,16 @@ def _clock(seconds: float) -> str:
 class StageProgress:
     """`update(done, status)` after each unit of work; `paused()` around work that prints its own progress."""
 
-    def __init__(self, console: Console, description: str, total: int, lines: bool = True):
+    def __init__(self, console: Console, description: str, total: int, lines: bool = True, done: int = 0):
         self.console, self.description, self.total, self.lines = console, description, total, lines
-        self.start = time.perf_counter()
-        self.next_line = 1
+        self.start, self.done_at_start = time.perf_counter(), done  # a resumed stage's rate counts this run's work
+        self.next_line = done + 1
         self.bar: Progress | None = None
         if console.is_terminal:
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
                                 TextColumn("{task.fields[status]}"), console=console, transient=True)
-            self.task = self.bar.add_task(description, total=total, status="")
+            self.task = self.bar.add_task(description, total=total, completed=done, status="")
 
     def update(self, done: int, status: str = "") -> None:
         if self.bar is not None:
@@ -40,9 +40,10 @@ class StageProgress:
             return
         if self.lines and (done >= self.next_line or done == self.total):
             elapsed = time.perf_counter() - self.start
-            left = elapsed / done * (self.total - done) if done else float("nan")
+            worked = done - self.done_at_start
+            left = _clock(elapsed / worked * (self.total - done)) if worked > 0 else "?"
             self.console.print(f"{self.description} {done}/{self.total}  {status}  elapsed {_clock(elapsed)}, "
-                               f"left {_clock(left) if done else '?'}", highlight=False)
+                               f"left {left}", highlight=False)
             self.next_line = done + max(1, self.total // LINES_OFF_TERMINAL)
 
     @contextmanager
@@ -58,9 +59,11 @@ class StageProgress:
 
 
 @contextmanager
-def stage_progress(console: Console, description: str, total: int, lines: bool = True) -> Iterator[StageProgress]:
-    """A StageProgress for the duration; `lines=False` where the stage prints a line per unit of its own."""
-    progress = StageProgress(console, description, total, lines)
+def stage_progress(console: Console, description: str, total: int, lines: bool = True,
+                   done: int = 0) -> Iterator[StageProgress]:
+    """A StageProgress for the duration; `lines=False` where the stage prints a line per unit of its own; `done`:
+    the units a resumed stage starts with."""
+    progress = StageProgress(console, description, total, lines, done)
     if progress.bar is None:
         yield progress
         return

@@ -114,8 +114,9 @@ def run_sft(cfg, policy, tokenizer, demos, evaluate: Callable[[int], None] | Non
 
 def train_with_progress(trainer, description: str) -> None:
     """`trainer.run()` with a line per iteration (print_iteration) and, on a terminal, a bar below them with the
-    time spent and left (an iteration takes minutes on a CPU: the clock shows it is working)."""
-    with stage_progress(console, description, trainer.cfg.train.iterations, lines=False) as progress:
+    time spent and left (an iteration takes a minute or more on a CPU: the clock shows it is working)."""
+    with stage_progress(console, description, trainer.cfg.train.iterations, lines=False,
+                        done=trainer.iteration) as progress:
 
         def show(iteration: int, m: dict) -> None:
             print_iteration(iteration, m)

@@ -38,3 +38,14 @@ def test_on_a_terminal_a_live_bar_that_pauses_for_work_printing_its_own():
             assert not progress.bar.live.is_started
         assert progress.bar.live.is_started
         assert progress.bar.tasks[0].completed == 2 and progress.bar.tasks[0].fields["status"] == "loss 1.234"
+
+
+def test_a_resumed_stage_counts_from_where_it_starts():
+    out = io.StringIO()
+    with stage_progress(Console(file=out, force_terminal=False, width=200), "SFT", 10, done=8) as progress:
+        progress.update(9, "")
+        progress.update(10, "")
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["9/10", "10/10"] and lines[-1].endswith("left 0:00:00")
+    with stage_progress(Console(file=io.StringIO(), force_terminal=True), "SFT", 10, done=8) as progress:
+        assert progress.bar.tasks[0].completed == 8
