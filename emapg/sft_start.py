@@ -23,7 +23,10 @@ def held_out_slice(cfg, session: Session) -> dict[str, list]:
     if not cfg.sft.eval_questions:
         return {}
     sets = eval_examples(cfg, session.client, session.index_tag)
-    return {name: examples[: cfg.sft.eval_questions] for name, examples in sets.items()}
+    if not any(sets.values()):
+        raise ValueError(f"sft.eval_questions: the held-out sets {', '.join(cfg.data.eval)} have no questions "
+                         f"(data.subset={cfg.data.subset}) to evaluate the SFT start on")
+    return {name: examples[: cfg.sft.eval_questions] for name, examples in sets.items() if examples}
 
 
 def sft_start(cfg, session: Session) -> tuple[Path, Verdict | None]:
