@@ -17,7 +17,7 @@ from pathlib import Path
 
 from emapg.console import log_to
 from emapg.session import open_session
-from emapg.workflow import build_sft_data, console, eval_examples, print_iteration, run_sft, train_examples
+from emapg.workflow import build_sft_data, console, eval_examples, run_sft, train_examples, train_with_progress
 from emapg.view import view_command
 from eval.report import EvalReport, plot_curves, plot_stages, pooled, stages_markdown
 
@@ -72,7 +72,7 @@ def run_demo(cfg) -> Path:
         t = stage("eval SFT", t)
 
         console.rule(f"EMA-PG from the SFT model ({cfg.train.iterations} iterations)")
-        Trainer(cfg, session.local_engine(), session.tokenizer, train).run(progress=print_iteration)
+        train_with_progress(Trainer(cfg, session.local_engine(), session.tokenizer, train), "EMA-PG")
         t = stage("EMA-PG", t)
         stages["SFT + EMA-PG"] = evaluate("SFT + EMA-PG", "eval-emapg")
         stage("eval SFT + EMA-PG", t)

@@ -96,6 +96,10 @@ class Session:
             from emapg.console import engine_output_to_log
 
             policy = self.policy if self.cfg.rollout.backend == "transformers" else self._policy
+            if self.cfg.rollout.backend == "vllm":  # about a minute on a CPU, its output in the log: say so first
+                from emapg.workflow import console
+
+                console.print(f"starting the vLLM engine for {self.cfg.model} (about a minute on a CPU)")
             with engine_output_to_log():  # the engine's processes print around logging: into the run's log
                 self._backend = open_backend(self.cfg.rollout, self.cfg.model, self.tokenizer, policy,
                                              dtype=self.cfg.dtype, seed=self.cfg.seed)

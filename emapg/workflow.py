@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 
 from data.qa import QAExample
+from emapg.progress import stage_progress
 
 console = Console()
 ARTIFACTS = Path(os.environ.get("EMAPG_ARTIFACTS", "artifacts"))
@@ -84,21 +86,37 @@ def build_sft_data(cfg, client, tokenizer, examples: list[QAExample]):
     return demos
 
 
-def run_sft(cfg, policy, tokenizer, demos) -> Path:
-    from rich.progress import Progress
-
+def run_sft(cfg, policy, tokenizer, demos, evaluate: Callable[[int], None] | None = None) -> Path:
+    """SFT on the demonstrations with a progress bar (loss, time left); `evaluate(step)`, if given, every
+    sft.eval_every steps and after the last one, the bar paused while it runs."""
     from trainer.run.sft import SFTTrainer
 
     trainer = SFTTrainer(cfg, policy, demos, tokenizer.pad_token_id or 0)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("SFT", total=trainer.steps)
+    every = cfg.sft.eval_every
+    with stage_progress(console, "SFT", trainer.steps) as progress:
 
         def show(step: int, m: dict) -> None:
-            bar.update(task, completed=step, description=f"SFT loss {m['loss/sft']:.3f}")
+            progress.update(step, f"loss {m['loss/sft']:.3f}")
+            if evaluate is not None and (step == trainer.steps or (every and step % every == 0)):
+                with progress.paused():
+                    evaluate(step)
 
         path = trainer.run(progress=show)
     console.print(f"SFT: {trainer.steps} steps on {len(demos)} demonstrations -> {path}")
     return path
+
+
+def train_with_progress(trainer, description: str) -> None:
+    """`trainer.run()` with a line per iteration (print_iteration) and, on a terminal, a bar below them with the
+    time spent and left (an iteration takes a minute or more on a CPU: the clock shows it is working)."""
+    with stage_progress(console, description, trainer.cfg.train.iterations, lines=False,
+                        done=trainer.iteration) as progress:
+
+        def show(iteration: int, m: dict) -> None:
+            print_iteration(iteration, m)
+            progress.update(iteration, f"reward {m['rollout/reward']:.3f}")
+
+        trainer.run(progress=show)
 
 
 def print_iteration(iteration: int, m: dict) -> None:

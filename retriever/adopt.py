@@ -34,6 +34,12 @@ from retriever.manifest import Manifest, encoder_manifest
 Link = Literal["symlink", "hardlink", "copy"]
 LINKS: tuple[str, ...] = ("symlink", "hardlink", "copy")
 DEFAULT_SAMPLE = 64
+# `--sample all`: every corpus row re-encoded and checked (as long as encoding the corpus: docs/retriever.md).
+ALL_ROWS = "all"
+# The packaged encoder's other common names (sentence-transformers' short and full ones), adopted as the preset.
+ENCODER_ALIASES = {"all-minilm-l6-v2": "minilm", "sentence-transformers/all-minilm-l6-v2": "minilm"}
+# One look-up of a hub id that is not cached locally: the hub answers in well under a second where it is reachable.
+HUB_TIMEOUT_S = 10.0
 # Rows whose norms are read: random rows cost one page each even when the index is memory-mapped.
 NORM_SAMPLE = 1024
 # Unit vectors stored in fp16 are off by < 1e-3; an encoder without normalisation is off by far more.
@@ -88,9 +94,60 @@ class AdoptionRefused(ValueError):
         self.checks = checks
 
 
+class EncoderUnavailable(ValueError):
+    """The named encoder cannot be loaded here: not a local folder, not packaged, not in the local Hugging Face cache,
+    and the hub cannot be reached (or HF_HUB_OFFLINE is set)."""
+
+
+def encoder_alias(name: str) -> str:
+    """`name`, or the preset key of the packaged encoder it is a common name of (any case)."""
+    return ENCODER_ALIASES.get(name.lower(), name)
+
+
+def local_encoders() -> list[str]:
+    """Encoder names that load without the network here: the packaged presets and the hub models already cached."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    packaged = [key for key, spec in PRESETS.items() if spec.source.startswith("package:") and key != spec.name]
+    try:
+        cached = sorted(repo.repo_id for repo in scan_cache_dir().repos if repo.repo_type == "model")
+    except CacheNotFound:
+        cached = []
+    return packaged + cached
+
+
+def check_encoder_loads(spec: EncoderSpec) -> None:
+    """Raise EncoderUnavailable, at once, for an encoder that would not load: a hub id neither cached locally nor on a
+    hub that answers now. Without this the loader retries the network for over a minute and ends in a traceback."""
+    from huggingface_hub import constants, model_info, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if spec.source.startswith("package:") or Path(spec.source).exists():
+        return
+    try:
+        snapshot_download(spec.source, local_files_only=True)
+        return
+    except (LocalEntryNotFoundError, ValueError):  # ValueError: not a valid hub id either
+        pass
+    if constants.HF_HUB_OFFLINE:
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            model_info(spec.source, timeout=HUB_TIMEOUT_S)
+            return  # on the hub: the loader downloads it
+        except Exception as e:  # noqa: BLE001 - whatever the hub answers (no network, no such repo), it will not load
+            reason = f"the hub cannot be reached or has no such model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})"
+    raise EncoderUnavailable(
+        f"encoder {spec.name!r} is neither a local folder, a packaged encoder, nor a model in the local Hugging Face "
+        f"cache ({constants.HF_HUB_CACHE}), and {reason}; encoders that load here: {', '.join(local_encoders())} "
+        "(or a local folder of a sentence-transformers model)")
+
+
 def search_r1_encoder(name: str, query_prefix: str | None = None, passage_prefix: str | None = None) -> EncoderSpec:
     """The encoder spec for an index Search-R1 built: a preset (e5-base-v2 carries e5's prefixes) or a folder or hub
     id whose last path part names e5 or bge gets the prefixes Search-R1 gives that family; explicit prefixes win."""
+    name = encoder_alias(name)
     spec = resolve_encoder(name, query_prefix, passage_prefix)
     if name in PRESETS:
         return spec
@@ -147,6 +204,19 @@ def stored_vectors(index: faiss.Index, rows: np.ndarray) -> np.ndarray:
                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}") from e
 
 
+def sample_size(value: str) -> int | Literal["all"]:
+    """`--sample`: a number of passages (>= 1) or `all`."""
+    if value.strip().lower() == ALL_ROWS:
+        return ALL_ROWS
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"--sample must be a number of passages (>= 1) or {ALL_ROWS!r}, got {value!r}")
+    return size
+
+
 def sample_rows(n: int, size: int, seed: int) -> np.ndarray:
     """`size` rows at random, always with the first and last: a corpus cut short or shifted by one shows at its ends."""
     rng = np.random.default_rng(seed)
@@ -183,7 +253,7 @@ def adopt_faiss_index(
     passage_prefix: str | None = None,
     link: Link = "symlink",
     copy_corpus: bool = False,
-    sample: int = DEFAULT_SAMPLE,
+    sample: int | Literal["all"] = DEFAULT_SAMPLE,
     seed: int = 0,
     device: str = "cpu",
     backend: str = "auto",
@@ -202,6 +272,7 @@ def adopt_faiss_index(
         if out.exists() and _inside(path, out):
             raise ValueError(f"{what} {path} is inside --out {out}, which adopting replaces; choose another --out")
     spec = search_r1_encoder(encoder, query_prefix, passage_prefix)
+    check_encoder_loads(spec)
     index = read_faiss(faiss_file)
     checks: list[Check] = []
 
@@ -232,7 +303,7 @@ def adopt_faiss_index(
                f"{index.d} in {faiss_file.name}, {enc.dim} from {spec.name}"
                + ("" if index.d == enc.dim else "; the index was built with another encoder"))
 
-        rows = sample_rows(n, sample, seed)
+        rows = sample_rows(n, n if sample == ALL_ROWS else sample, seed)
         norm_rows = np.union1d(rows, np.random.default_rng(seed + 1).choice(n, size=min(NORM_SAMPLE, n), replace=False))
         vectors = stored_vectors(index, norm_rows)
         norms = np.linalg.norm(vectors, axis=1)

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from data.corpus import packaged_wiki_passages, read_jsonl, write_jsonl
 from emapg.cli import app
-from retriever.adopt import AdoptionRefused, adopt_faiss_index, search_r1_encoder, stored_precision
+from retriever.adopt import (AdoptionRefused, EncoderUnavailable, adopt_faiss_index, check_encoder_loads, sample_rows,
+                             search_r1_encoder, stored_precision)
 from retriever.index import load_index
 from retriever.manifest import Manifest
 from retriever.process import running_server
@@ -185,3 +186,67 @@ def test_an_e5_folder_is_adopted_with_the_passage_prefix_search_r1_built_with(sl
         adopt_faiss_index(index, corpus, tmp_path / "unprefixed", encoder=str(folder), passage_prefix="",
                           backend="torch")
     assert refused.value.check.name == "passage cosine" and "passage prefix ''" in refused.value.check.found
+
+
+def test_swapped_corpus_lines_outside_the_sample_pass_and_sample_all_refuses_them(search_r1_index, slice_corpus,
+                                                                                   tmp_path):
+    """The default sample checks 64 rows plus the ends: two swapped lines it does not draw pass (docs/retriever.md
+    says how likely a sample is to catch them); `--sample all` re-encodes every row and refuses them."""
+    sampled = set(sample_rows(SLICE, 64, 0).tolist())
+    i, j = [row for row in range(SLICE) if row not in sampled][:2]
+    passages = list(read_jsonl(slice_corpus))
+    passages[i], passages[j] = passages[j], passages[i]
+    swapped = tmp_path / "swapped.jsonl"
+    write_jsonl(iter(passages), swapped)
+    common = ("--corpus", str(swapped), "--encoder", "minilm", "--encoder-backend", "torch")
+    code, text = invoke("adopt", str(search_r1_index), *common, "--out", str(tmp_path / "sampled"))
+    assert code == 0 and "over 64 passages" in text, text  # 64 of 100 rows (the ends among them)
+    code, text = invoke("adopt", str(search_r1_index), *common, "--out", str(tmp_path / "all"), "--sample", "all")
+    assert code == 2 and "error: refused: passage cosine" in text and f"over {SLICE} passages" in text, text
+    assert f"rows {i}, {j}" in text
+    code, text = invoke("adopt", str(search_r1_index), *common, "--out", str(tmp_path / "bad"), "--sample", "most")
+    assert code == 2 and "--sample must be a number of passages (>= 1) or 'all', got 'most'" in text
+
+
+def fake_hub_down(*args, **kwargs):
+    """A fake of huggingface_hub.model_info on a machine without network (unit tests only)."""
+    raise ConnectionError("[Errno -2] Name or service not known")
+
+
+def test_a_hub_encoder_that_is_not_here_is_refused_at_once_naming_the_ones_that_load(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    vectors = faiss.IndexFlatIP(384)
+    faiss.write_index(vectors, str(tmp_path / "e5_Flat.index"))
+    (tmp_path / "corpus.jsonl").write_text("")
+    args = ("adopt", str(tmp_path / "e5_Flat.index"), "--corpus", str(tmp_path / "corpus.jsonl"), "--out",
+            str(tmp_path / "out"), "--encoder", "intfloat/e5-base-v2")
+    monkeypatch.setattr(huggingface_hub, "model_info", fake_hub_down)
+    code, text = invoke(*args)
+    assert code == 2 and "encoder 'intfloat/e5-base-v2' is neither a local folder" in text, text
+    assert "the hub cannot be reached or has no such model (ConnectionError" in text
+    assert "encoders that load here: minilm" in text and "Traceback" not in text
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, text = invoke(*args)
+    assert code == 2 and "and HF_HUB_OFFLINE is set; encoders that load here: minilm" in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_encoder_the_hub_has_is_let_through_to_the_loader(monkeypatch):
+    """With network, a hub id that is not cached is the loader's to download: the check does not refuse it."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo, timeout: asked.append((repo, timeout)))
+    check_encoder_loads(search_r1_encoder("intfloat/e5-base-v2"))
+    assert asked and asked[0][0] == "intfloat/e5-base-v2"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(EncoderUnavailable, match="HF_HUB_OFFLINE"):
+        check_encoder_loads(search_r1_encoder("intfloat/e5-base-v2"))
+
+
+def test_the_packaged_encoders_common_names_are_minilm():
+    minilm = search_r1_encoder("minilm")
+    for name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "all-minilm-l6-v2"):
+        assert search_r1_encoder(name) == minilm, name
+        check_encoder_loads(search_r1_encoder(name))  # packaged: no hub look-up

@@ -142,7 +142,7 @@ def test_get_tool_and_tool_schema_command_give_the_schema_under_the_servers_limi
 SERVER_SIDE = {"retriever.docstore", "retriever.server"}
 # The `serve` command runs the server, and the server's own tests configure it; nothing else reaches past the client.
 # test_index_kinds.py serves a fake backend (defined in the test) through the server's own app, in its process.
-MAY_IMPORT_THE_SERVER = {"emapg/cli.py", "tests/test_server.py", "tests/test_index_kinds.py"}
+MAY_IMPORT_THE_SERVER = {"emapg/cli_retriever.py", "tests/test_server.py", "tests/test_index_kinds.py"}
 
 
 def imported_modules(path: Path) -> set[str]:

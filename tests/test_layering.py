@@ -51,10 +51,10 @@ def test_only_the_session_opens_a_runs_pieces():
     setup = {"running_server", "connect_retriever", "open_backend", "make_agent", "RetrieverClient"}
     callers = sources("emapg", "trainer", "eval")
     allowed = {ROOT / "emapg" / "session.py", ROOT / "trainer" / "run" / "ray_workers.py"}
-    # `emapg query` / `emapg mcp` are clients of a running server, not runs: their client is the command itself.
+    # `emapg search` / `emapg mcp` are clients of a running server, not runs: their client is the command itself.
     commands = {"RetrieverClient"}
     outside = [hit for path in callers if path not in allowed for hit in called(path, setup)
-               if not (path.name == "cli.py" and hit.rsplit(" ", 1)[1] in commands)]
+               if not (path.name == "cli_retriever.py" and hit.rsplit(" ", 1)[1] in commands)]
     assert not outside, f"open a run's pieces with emapg.session.open_session: {outside}"
 
 

@@ -163,6 +163,7 @@ def e2e_overrides(questions, server_url, tiny_model_dir, tmp_path) -> list[str]:
         f"model={tiny_model_dir}", f"out_dir={tmp_path / 'runs'}", "name=e2e", f"retriever.url={server_url}",
         f"data.flashrag_root={tmp_path / 'flashrag'}", "data.train=[bamboogle:test]", "data.subset=full",
         "rollout.backend=transformers", "rollout.max_turns=1", "rollout.max_tokens_per_turn=4", "rollout.max_obs_tokens=64",
+        "data.eval=[bamboogle:test]", "sft.eval_questions=3",
         "sft.examples=4", "sft.batch_size=2", "sft.micro_batch_size=1",
         "train.iterations=1", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
         "train.mini_batch_size=4", "train.micro_batch_size=2",
@@ -181,6 +182,7 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
     common = e2e_overrides(questions, server_url, tiny_model_dir, tmp_path)
     sft = emapg(tmp_path, "sft", *common)
     assert sft.returncode == 0, sft.stdout + sft.stderr
+    assert "protocol learned? unchecked (sft.min_format not set)" in sft.stdout  # floors are off by default
     run_dir = tmp_path / "runs" / "e2e"
     assert len(list(load_jsonl(run_dir / "sft" / "demonstrations.jsonl"))) == 4
     assert list((run_dir / "sft" / "checkpoints").glob("iter-000002"))
@@ -198,6 +200,45 @@ def test_sft_and_train_commands_end_to_end(questions, server_url, tiny_model_dir
     # A bad override is refused, naming the field.
     bad = emapg(tmp_path, "sft", *common, "sft.lrr=1")
     assert bad.returncode == 2 and "sft.lrr" in bad.stdout
+
+
+def test_an_sft_start_that_cannot_learn_fails_its_floor_by_name(questions, server_url, tiny_model_dir, tmp_path):
+    """A random tiny Llama after two SFT steps at a negligible rate writes no valid protocol: `emapg sft` records the
+    loss curve and the held-out evaluations (every step and at the end), prints the verdict and exits 1 naming the
+    floor and the measured value."""
+    from typer.testing import CliRunner
+
+    from emapg.cli import app
+
+    common = e2e_overrides(questions, server_url, tiny_model_dir, tmp_path)
+    result = CliRunner().invoke(app, ["sft", *common, "sft.lr=1e-12", "sft.eval_every=1", "sft.min_format=0.5"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1, out
+    assert "the SFT start fails its floors: sft.min_format = 0.5 not met: valid format 0.000" in out
+    assert "protocol learned? NO: below sft.min_format = 0.5" in out and "answers learned? unchecked" in out
+    sft_dir = tmp_path / "runs" / "e2e" / "sft"
+    record = json.loads((sft_dir / "evaluations.json").read_text())
+    assert [row["step"] for row in record["evaluations"]] == [1, 2] and record["evaluations"][-1]["n"] == 3
+    assert record["verdict"]["ok"] is False and record["floors"] == {"min_format": 0.5, "min_em": None}
+    assert len((sft_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (sft_dir / "eval-step-000002" / "report.json").is_file()
+    assert list((sft_dir / "checkpoints").glob("iter-000002"))  # the start is kept, to inspect
+
+
+def test_sft_reports_every_step_with_its_loss(tiny_model, tokenizer, tmp_path):
+    """The progress callback (the console's bar) is called once per step, in order, with that step's loss."""
+    examples = [example(0, "who wrote pride and prejudice?", "Jane Austen"),
+                example(1, "what is pride and prejudice?", "Pride and Prejudice")]
+    retriever = FakeRetriever({"who wrote pride and prejudice": AUSTEN, "wrote pride prejudice": MISS,
+                               "what is pride and prejudice": AUSTEN, "pride prejudice": AUSTEN})
+    demos, _ = build_demonstrations(examples, retriever, tokenizer, topk=3, max_obs_tokens=MAX_OBS)
+    cfg = sft_config(tmp_path, "sft.batch_size=2", "sft.micro_batch_size=1", "sft.epochs=3")
+    calls = []
+    trainer = SFTTrainer(cfg, copy.deepcopy(tiny_model), demos, tokenizer.pad_token_id)
+    trainer.run(progress=lambda step, metrics: calls.append((step, metrics["loss/sft"])))
+    assert [step for step, _ in calls] == [1, 2, 3] == list(range(1, trainer.steps + 1))
+    logged = [json.loads(line)["loss/sft"] for line in (cfg.sft_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [loss for _, loss in calls] == logged and all(loss > 0 for loss in logged)
 
 
 def test_compare_end_to_end_then_resumed_further(questions, server_url, tiny_model_dir, tmp_path):

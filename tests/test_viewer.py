@@ -238,7 +238,7 @@ def test_paths_outside_the_run_folders_are_refused(viewer_url, run_folder, tmp_p
 def test_view_binds_the_loopback_address_by_default():
     import inspect
 
-    from emapg.cli import view
+    from emapg.cli_outputs import view
     from emapg.view import serve
 
     assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
