@@ -60,7 +60,7 @@ def test_methods_are_chosen_by_name_in_the_reports_order():
     assert names("ema-pg, grpo") == ["GRPO", "EMA-PG"]
     assert names("EMA-PG,EMA-PG") == ["EMA-PG"]
     # The methods whose anchor is the SFT model: exactly those with ema.tau = 1 (Method.config checks it).
-    assert [m.name for m in METHODS.values() if m.fixed_reference] == ["GRPO", "GRPO-k3c", "GRPO-floor"]
+    assert [m.name for m in METHODS.values() if m.fixed_reference] == ["GRPO", "GRPO-k3c", "GRPO-floor", "GRPO-k3c-warmup"]
     for bad in ("PPO", "GRPO,emapg", ""):
         with pytest.raises(ValueError, match="choose from GRPO, EMA-k3, EMA-PG, GRPO-k3c"):
             chosen_methods(bad)
