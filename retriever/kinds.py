@@ -35,7 +35,8 @@ class IndexKind:
 
 INDEX_KINDS: dict[str, IndexKind] = {
     "dense": IndexKind("retriever.dense", "build_dense_index", "DenseIndex", "inner_product",
-                       build_options=("encoder", "factory", "batch_size", "train_size", "device", "dtype", "backend"),
+                       build_options=("encoder", "factory", "batch_size", "train_size", "device", "dtype", "backend",
+                                      "target_recall", "tune_k"),
                        load_options=("encoder", "device", "query_dtype", "query_backend", "gpu", "search_params")),
     "bm25": IndexKind("retriever.bm25", "build_bm25_index", "BM25Index", "bm25"),
 }

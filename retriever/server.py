@@ -39,6 +39,7 @@ from retriever.batcher import BatchingSearcher
 from retriever.encoder import resolve_encoder
 from retriever.index import SearchIndex, load_index
 from retriever.manifest import Manifest, check_requested_encoder
+from retriever.memory import ProcessMemory, process_memory
 from retriever.metrics import RetrieverMetrics
 
 TOKEN_ENV = "EMAPG_RETRIEVER_TOKEN"
@@ -66,7 +67,9 @@ class ServerSettings(BaseModel):
     encoder_backend: str = "auto"  # retriever/encoder.py BACKENDS; auto: the measured CPU default, torch on a GPU
     gpu_index: bool = False
     search_params: str | None = None
-    workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
+    # Processes on the one port, each with its own encoder and batcher; the FAISS index is memory-mapped, so they
+    # share one copy of its pages (GET /health's memory shows each worker's private and shared bytes).
+    workers: int = Field(1, ge=1)
     # One log line per request costs ~10% of the throughput of 32 single-query clients on 2 cores
     # (docs/benchmarks.md); /metrics counts requests and latencies without it.
     access_log: bool = False
@@ -106,6 +109,14 @@ def _check_limits(req: RetrieveRequest, s: ServerSettings) -> JSONResponse | Non
 
 def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
     metrics = RetrieverMetrics()
+    # A backend that memory-maps files names them (DenseIndex: the FAISS file), so /health shows whether workers
+    # share their pages; one that does not is reported by process totals alone.
+    index_files = getattr(index, "index_files", {})
+
+    def memory() -> ProcessMemory:
+        return process_memory(index_files=index_files)
+
+    metrics.watch_memory(memory)
     searcher = BatchingSearcher(
         index.search,
         batching=settings.batching,
@@ -188,6 +199,8 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
             batching=settings.batching,
             cache_entries=len(searcher.cache),
             limits=settings.limits,
+            search_params=getattr(index, "search_params", None),
+            memory=memory(),
         )
 
     @app.get("/tool")
@@ -242,7 +255,8 @@ def check_index_folder(settings: ServerSettings) -> None:
 
 def serve(settings: ServerSettings) -> None:
     """One process loads the index and serves; with `workers` > 1, uvicorn starts that many processes sharing the
-    port, each loading the index itself (uvicorn needs an app factory it can import for that)."""
+    port, each loading the index itself (uvicorn needs an app factory it can import for that): each memory-maps the
+    same FAISS file, so the page cache holds it once."""
     import uvicorn
 
     if settings.workers == 1:
