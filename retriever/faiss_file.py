@@ -58,8 +58,8 @@ def check_index_file(folder: Path, record: IndexFileManifest) -> Path:
     return path
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def warn_if_larger_than_memory(path: Path) -> None:
@@ -69,7 +69,7 @@ def warn_if_larger_than_memory(path: Path) -> None:
             "%s is %s, more than the %s of memory available (MemAvailable): it is served memory-mapped, so searches "
             "will read from disk (a search that scans the whole index, Flat or SQ, reads all of it each time) and "
             "share the page cache with every other process; expect disk-speed latency, not an out-of-memory kill",
-            path, _gib(size), _gib(available),
+            path, _size(size), _size(available),
         )
 
 
