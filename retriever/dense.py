@@ -165,7 +165,7 @@ def write_dense_folder(
     if tuning is not None and tuning.k > corpus.num_docs:
         raise ValueError(f"recall@{tuning.k} needs at least {tuning.k} passages; the corpus has {corpus.num_docs}")
     exact = ExactTopK(tuning.queries, tuning.k) if tuning is not None else None
-    with FaissFileWriter(index, tmp / FAISS_FILE) as writer:
+    with FaissFileWriter(index, tmp / FAISS_FILE, expected=corpus.num_docs) as writer:
         for vectors in chunks:
             writer.add(vectors)
             if exact is not None:

@@ -137,14 +137,35 @@ def stream_layout(index: faiss.Index) -> _StreamLayout | None:
     return None
 
 
+def in_memory_bytes_per_vector(index: faiss.Index, probe_size: int = 256) -> float:
+    """What one more vector adds to this trained index held in memory (its codes, ids and refine codes), from
+    adding a few to a copy."""
+    copy = faiss.clone_index(index)
+    before = len(faiss.serialize_index(copy))
+    probe = np.random.default_rng(0).standard_normal((probe_size, index.d)).astype(np.float32)
+    copy.add(probe / np.linalg.norm(probe, axis=1, keepdims=True))
+    return (len(faiss.serialize_index(copy)) - before) / probe_size
+
+
 class FaissFileWriter:
     """Add vectors to a trained index and write it to `path`. A flat-code index (Flat, SQ8, SQfp16, PQ) is
     streamed: its codes go to the file as they are added, so building one larger than memory works (21M x 768 Flat
-    is 64.5 GB; FAISS's own `add` would hold it all). Any other index is added in memory and written on close."""
+    is 64.5 GB; FAISS's own `add` would hold it all). Any other index is added in memory and written on close; with
+    `expected` vectors, one that would not fit in the memory available is refused before anything is added, rather
+    than killed for it halfway."""
 
-    def __init__(self, index: faiss.Index, path: Path):
+    def __init__(self, index: faiss.Index, path: Path, expected: int | None = None):
         self.index, self.path = index, Path(path)
         self.layout = stream_layout(index)
+        if self.layout is None and expected is not None:
+            need, available = expected * in_memory_bytes_per_vector(index), available_bytes()
+            if available is not None and need > available:
+                raise ValueError(
+                    f"building this index over {expected:,} vectors holds ~{_size(int(need))} in memory (FAISS adds "
+                    f"IVF, HNSW and refine codes in memory before writing them), more than the {_size(available)} "
+                    "available (MemAvailable): use a flat-code type (Flat, SQ8, SQfp16: streamed to disk), a "
+                    "smaller code (PQ), or a machine with more memory"
+                )
         self.ntotal = 0
         self._file = open(self.path, "wb") if self.layout is not None else None
         if self._file is not None:

@@ -140,3 +140,23 @@ def test_a_corrupt_index_stops_serve_with_its_name(index_copy):
     result = CliRunner().invoke(app, ["serve", "--index", str(index_copy), "--port", "1"])
     assert result.exit_code != 0 and "index.faiss is 100 bytes" in " ".join(result.output.split())
     shutil.rmtree(index_copy)
+
+
+def test_an_in_memory_build_larger_than_available_memory_is_refused_before_adding(monkeypatch, tmp_path):
+    """IVF codes are added in memory: with a fake MemAvailable below what 10M vectors would take, the writer refuses
+    up front, naming the estimate; a streamed Flat build of the same count is not refused."""
+    from retriever import faiss_file
+
+    def fake_small_memory():
+        return 64 << 20
+
+    monkeypatch.setattr(faiss_file, "available_bytes", fake_small_memory)
+    rng = np.random.default_rng(0)
+    ivf = faiss.index_factory(16, "IVF8,Flat", faiss.METRIC_INNER_PRODUCT)
+    ivf.train(unit_rows(rng, 500, 16))
+    assert faiss_file.in_memory_bytes_per_vector(ivf) == pytest.approx(16 * 4 + 8, abs=1)  # codes and id
+    with pytest.raises(ValueError, match=r"over 10,000,000 vectors holds ~6[89]\d.\d MiB in memory .* 64.0 MiB available"):
+        FaissFileWriter(ivf, tmp_path / "ivf.faiss", expected=10_000_000)
+    with FaissFileWriter(faiss.index_factory(16, "Flat", faiss.METRIC_INNER_PRODUCT), tmp_path / "flat.faiss",
+                         expected=10_000_000) as writer:
+        assert writer.streamed

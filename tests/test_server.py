@@ -85,10 +85,15 @@ def test_health_and_metrics(server_url):
     health = httpx.get(server_url + "/health").json()
     assert health["status"] == "ok" and health["index_loaded"] and health["num_docs"] > 400
     assert health["encoder"] == "sentence-transformers/all-MiniLM-L6-v2"
+    memory = health["memory"]  # this process's; the index is memory-mapped (tests/test_shared_index_memory.py)
+    assert memory["rss_bytes"] >= memory["private_bytes"] > 0 and memory["pss_bytes"] > 0
+    assert [f["name"] for f in memory["index_files"]] == ["index.faiss"]
     post(server_url, {"queries": [QUESTION, QUESTION]})
     text = httpx.get(server_url + "/metrics").text
     for name in ["emapg_retriever_requests_total", "emapg_retriever_queries_total", "emapg_retriever_cache_hits_total",
-                 "emapg_retriever_batch_queries_bucket", "emapg_retriever_request_seconds_bucket"]:
+                 "emapg_retriever_batch_queries_bucket", "emapg_retriever_request_seconds_bucket",
+                 "emapg_retriever_memory_rss_bytes", "emapg_retriever_memory_pss_bytes",
+                 "emapg_retriever_memory_private_bytes", 'emapg_retriever_index_file_resident_bytes{file="index.faiss"}']:
         assert name in text
     assert httpx.get(server_url + "/docs").status_code == 200
     assert "/retrieve" in httpx.get(server_url + "/openapi.json").json()["paths"]
