@@ -232,7 +232,8 @@ def memory_fields(health: dict) -> dict:
 
 
 class PeakMemory:
-    """Polls the server's /health while the load runs; keeps each field's maximum."""
+    """Polls the server's /health every second while the load runs (its /proc read is off the server's event loop);
+    keeps each field's maximum."""
 
     def __init__(self, url: str):
         self.url, self.peak, self._stop = url, {}, threading.Event()
@@ -240,7 +241,7 @@ class PeakMemory:
 
     def _poll(self) -> None:
         with httpx.Client(timeout=10) as http:
-            while not self._stop.wait(0.5):
+            while not self._stop.wait(1.0):
                 try:
                     now = memory_fields(http.get(self.url + "/health").json())
                 except httpx.HTTPError:

@@ -9,6 +9,7 @@ shows as shared, a copy read into the heap as private. On other systems the fiel
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,20 +50,23 @@ def _kib_fields(text: str) -> dict[str, int]:
 
 
 def _mapped_files(pid: int | str, paths: set[str]) -> dict[str, tuple[int, int]]:
-    """{path: (resident bytes, private bytes)} over this process's mappings of those files (/proc/<pid>/smaps)."""
-    found: dict[str, list[int]] = {}
-    current: list[int] | None = None
-    with open(PROC / str(pid) / "smaps") as f:
-        for line in f:
-            first = line.split(maxsplit=5)
-            if "-" in first[0] and not first[0].endswith(":"):  # a mapping's header line: range perms offset dev inode path
-                current = found.setdefault(first[5].strip(), [0, 0]) if len(first) == 6 and first[5].strip() in paths \
-                    else None
-            elif current is not None and first[0] == "Rss:":
-                current[0] += int(first[1]) * 1024
-            elif current is not None and first[0] in ("Private_Clean:", "Private_Dirty:"):
-                current[1] += int(first[1]) * 1024
-    return {path: (rss, private) for path, (rss, private) in found.items()}
+    """{path: (resident bytes, private bytes)} over this process's mappings of those files (/proc/<pid>/smaps). A
+    process with torch loaded has ~10k lines of smaps: the paths are found by string search, and only their
+    mappings' fields are parsed; most of the cost is the kernel writing the file, so callers read it off their event
+    loop."""
+    text = (PROC / str(pid) / "smaps").read_text()
+    found = {}
+    for path in paths:
+        rss = private = 0
+        at = text.find(" " + path + "\n")
+        while at >= 0:
+            fields = _kib_fields("\n".join(itertools.takewhile(  # the mapping's "Name: value" lines
+                lambda line: line.split(" ", 1)[0].endswith(":"), text[at:at + 4096].split("\n")[1:])))
+            rss += fields.get("Rss", 0)
+            private += fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+            at = text.find(" " + path + "\n", at + 1)
+        found[path] = (rss, private)
+    return found
 
 
 def process_memory(pid: int | str = "self", index_files: Mapping[str, Path] | None = None) -> ProcessMemory:
