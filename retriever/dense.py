@@ -170,14 +170,12 @@ def write_dense_folder(
             writer.add(vectors)
             if exact is not None:
                 exact.add(vectors)
+    if writer.ntotal != corpus.num_docs:
+        raise ValueError(f"{writer.ntotal:,} vectors for the {corpus.num_docs:,} passages of {corpus.path}")
     del index, writer  # an in-memory index (IVF, HNSW) is on disk now; tuning reads the file as the server will
-    if exact is not None and exact.seen != corpus.num_docs:
-        raise ValueError(f"{exact.seen} vectors for {corpus.num_docs} passages")
     searched = None
     if tuning is not None:
         served = read_faiss_file(tmp, FAISS_FILE, None)
-        if served.ntotal != corpus.num_docs:
-            raise ValueError(f"{served.ntotal} vectors for {corpus.num_docs} passages")
         searched = tune_search(served, tuning.queries, exact.rows, tuning.k, tuning.target_recall,
                                tuning.query_source)
         del served

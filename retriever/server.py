@@ -247,9 +247,14 @@ def app_from_environment() -> FastAPI:
 
 
 def check_index_folder(settings: ServerSettings) -> None:
-    """Refuse a folder that is not an index, or an encoder it was not built with, before any worker starts: once,
-    as a clear error, rather than as a traceback from each worker. Reads only the manifest."""
+    """Refuse a folder that is not an index, an index file that is not the one built, or an encoder it was not built
+    with, before any worker starts: once, as a clear error, rather than as a traceback from each worker. Reads the
+    manifest and the index file's ends."""
     manifest = Manifest.read(settings.index)
+    if manifest.index_file is not None:  # a truncated or replaced file: one error now, not one per worker
+        from retriever.faiss_file import check_index_file
+
+        check_index_file(settings.index, manifest.index_file)
     if settings.encoder is None:
         return
     if manifest.encoder is None:

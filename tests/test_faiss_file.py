@@ -137,8 +137,9 @@ def test_a_corrupt_index_stops_serve_with_its_name(index_copy):
 
     path = index_copy / "index.faiss"
     path.write_bytes(path.read_bytes()[:100])
-    result = CliRunner().invoke(app, ["serve", "--index", str(index_copy), "--port", "1"])
-    assert result.exit_code != 0 and "index.faiss is 100 bytes" in " ".join(result.output.split())
+    for workers in ("1", "2"):  # in the process that serves, or before uvicorn starts any worker
+        result = CliRunner().invoke(app, ["serve", "--index", str(index_copy), "--port", "1", "--workers", workers])
+        assert result.exit_code != 0 and "index.faiss is 100 bytes" in " ".join(result.output.split())
     shutil.rmtree(index_copy)
 
 
@@ -201,3 +202,14 @@ def test_each_index_type_for_scale_builds_loads_memory_mapped_and_finds_its_own_
     assert recall_at_k(rows, exact.rows, 1) == pytest.approx(manifest.tuning.recall, abs=1e-4)
     (mapped,) = process_memory(index_files=index.index_files).index_files
     assert mapped.resident_bytes > 0  # searched through the file mapping
+
+
+def test_vectors_that_do_not_match_the_corpus_are_refused(minilm_manifest, tmp_path):
+    from retriever.dense import build_dense_from_vectors
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"P{i}"\n{i}'}) + "\n" for i in range(10)))
+    vectors = unit_rows(np.random.default_rng(0), 9, minilm_manifest.dim)
+    with pytest.raises(ValueError, match=r"9 vectors for the 10 passages of"):
+        build_dense_from_vectors(corpus, tmp_path / "index", [vectors], encoder=minilm_manifest)
+    assert not (tmp_path / "index").exists()
