@@ -239,14 +239,17 @@ class PeakMemory:
         self.url, self.peak, self._stop = url, {}, threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
+    def _sample(self, http: httpx.Client) -> None:
+        try:
+            now = memory_fields(http.get(self.url + "/health").json())
+        except httpx.HTTPError:
+            return
+        self.peak = {k: max(v, self.peak.get(k) or 0) if v is not None else None for k, v in now.items()}
+
     def _poll(self) -> None:
         with httpx.Client(timeout=10) as http:
             while not self._stop.wait(1.0):
-                try:
-                    now = memory_fields(http.get(self.url + "/health").json())
-                except httpx.HTTPError:
-                    continue
-                self.peak = {k: max(v, self.peak.get(k) or 0) if v is not None else None for k, v in now.items()}
+                self._sample(http)
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -255,6 +258,8 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        with httpx.Client(timeout=10) as http:  # once more at the end: a short load may see no poll
+            self._sample(http)
 
 
 def serve_and_load(folder: Path, window_s: float, rounds: int, stream: list[str]) -> dict:

@@ -4,7 +4,7 @@ manifest, checked against that record and memory-mapped at load.
 Memory-mapped, the index's codes stay in the page cache, shared by every process that maps the file: `emapg serve
 --workers N`, and replicas on one host, hold one copy of the pages, not N (FAISS >= 1.15 maps the codes of flat,
 scalar-quantised, PQ, IVF and HNSW indexes alike with IO_FLAG_MMAP_IFC; measured: under 1.3 MB of heap for each of
-those at 100k vectors). An index larger than the memory available is still served, from disk, with a warning.
+those at 100k x 128 dims). An index larger than the memory available is still served, from disk, with a warning.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MMAP_FLAGS = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 
 
 def ends_sha256(path: Path) -> str:
-    """sha256 of the file's first and last MiB and its size: seconds-free on a 64 GB file."""
+    """sha256 of the file's first and last MiB and its size: milliseconds, even on a 64 GB file."""
     h = hashlib.sha256()
     size = path.stat().st_size
     with open(path, "rb") as f:
