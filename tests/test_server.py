@@ -130,3 +130,19 @@ def test_access_log_is_off_unless_asked_for(dense_index_dir, tmp_path):
         with running_server(dense_index_dir, *extra, log=log) as url:
             assert post(url, {"queries": ["x"]}).status_code == 200
         assert ('"POST /retrieve HTTP/1.1" 200' in log.read_text()) is expected
+
+
+def test_bm25_health_reports_the_files_it_memory_maps(bm25_index_dir):
+    """bm25s memory-maps its arrays: /health names them (and has no FAISS search parameters)."""
+    from fastapi.testclient import TestClient
+
+    from retriever.index import load_index
+    from retriever.server import ServerSettings, create_app
+
+    index = load_index(bm25_index_dir)
+    with TestClient(create_app(index, ServerSettings(index=bm25_index_dir))) as client:
+        health = client.get("/health").json()
+        assert client.post("/retrieve", json={"queries": ["Jane Austen"]}).status_code == 200
+    assert health["kind"] == "bm25" and health["search_params"] is None
+    names = [f["name"] for f in health["memory"]["index_files"]]
+    assert names and all(n.startswith("bm25/") and n.endswith(".npy") for n in names)
