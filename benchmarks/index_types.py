@@ -20,6 +20,7 @@ import numpy as np
 from data.corpus import packaged_wiki_passages
 from retriever.dense import new_faiss_index, train_faiss_index
 from retriever.encoder import Encoder, resolve_encoder
+from retriever.tuning import recall_at_k
 
 CACHE = Path("artifacts/bench")
 NUM_QUERIES = 1000
@@ -50,10 +51,6 @@ def vectors(num: int) -> np.ndarray:
     return x
 
 
-def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth, strict=True)]))
-
-
 def index_bytes(index: faiss.Index) -> int:
     return int(faiss.serialize_index(index).nbytes)
 
@@ -72,7 +69,7 @@ def measure(factory: str, base: np.ndarray, queries: np.ndarray, truth: np.ndarr
         start = time.perf_counter()
         _, found = index.search(queries, K)
         rows.append({
-            "index": factory, "params": p, "recall@10": round(recall_at_k(found, truth), 4),
+            "index": factory, "params": p, "recall@10": round(recall_at_k(found, truth, K), 4),
             "memory_mb": round(index_bytes(index) / 2**20, 1), "build_s": round(build_s, 1),
             "search_ms_per_query": round((time.perf_counter() - start) / len(queries) * 1000, 4),
         })
@@ -93,7 +90,7 @@ def bf16_corpus_recall(flat_fp32_dir: Path) -> dict | None:
     questions = enc.encode_queries([f"what is {p.partition(chr(10))[0].strip(chr(34))}?" for p in passages[::10]])
     truth = (questions @ base32.T).argsort(axis=1)[:, ::-1][:, :K]
     found = (questions @ base16.T).argsort(axis=1)[:, ::-1][:, :K]
-    return {"bf16_vs_fp32_recall@10": round(recall_at_k(found, truth), 4), "queries": len(questions),
+    return {"bf16_vs_fp32_recall@10": round(recall_at_k(found, truth, K), 4), "queries": len(questions),
             "bf16_passages_per_s": round(bf16_docs_per_s, 1)}
 
 

@@ -127,11 +127,11 @@ async def closed_loop(url: str, clients: int, per_request: int, window_s: float,
     }
 
 
-def measure(url: str, window_s: float, rounds: int, stream: list[str]) -> dict:
-    asyncio.run(closed_loop(url, 4, 64, 3.0, stream))  # warm-up: thread pools, allocator, first batches
+def measure(url: str, window_s: float, rounds: int, stream: list[str], scenarios: dict = SCENARIOS) -> dict:
+    asyncio.run(closed_loop(url, 4, 64, min(3.0, window_s), stream))  # warm-up: thread pools, allocator, batches
     best: dict[str, dict] = {}
     for _ in range(rounds):
-        for name, (clients, per_request) in SCENARIOS.items():
+        for name, (clients, per_request) in scenarios.items():
             got = asyncio.run(closed_loop(url, clients, per_request, window_s, stream))
             if name not in best or got["queries_per_s"] > best[name]["queries_per_s"]:
                 best[name] = got
@@ -158,7 +158,8 @@ def wait_answering(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> 
         time.sleep(1)
 
 
-def measure_search_r1(server: Path, index: Path, window_s: float, rounds: int, stream: list[str]) -> dict:
+def measure_search_r1(server: Path, index: Path, window_s: float, rounds: int, stream: list[str],
+                      scenarios: dict = SCENARIOS) -> dict:
     port = free_port()
     cmd = [
         sys.executable, str(server), "--index_path", str(index / "index.faiss"), "--corpus_path",
@@ -169,7 +170,7 @@ def measure_search_r1(server: Path, index: Path, window_s: float, rounds: int, s
     try:
         url = f"http://127.0.0.1:{port}"
         wait_answering(url, proc)
-        return measure(url, window_s, rounds, stream)
+        return measure(url, window_s, rounds, stream, scenarios)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

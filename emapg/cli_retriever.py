@@ -49,6 +49,10 @@ def index(
                                                  "(CPU), or auto (the fastest one that keeps retrieval on a CPU, "
                                                  "torch on a GPU)")] = "auto",
     overwrite: Overwrite = False,
+    target_recall: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="choose the cheapest search "
+                             "parameters (nprobe, efSearch, k_factor_rf) reaching this recall@k against exact search; "
+                             "recorded in the manifest, applied by `serve`")] = None,
+    tune_k: Annotated[int, typer.Option(min=1, help="the k of --target-recall")] = 10,
 ) -> None:
     """Build an index folder from a JSONL corpus."""
     from retriever.encoder import resolve_backend, resolve_dtype
@@ -74,10 +78,14 @@ def index(
     try:
         manifest = chosen_kind.build(corpus_path, out, copy_corpus=copy_corpus, overwrite=overwrite, encoder=encoder,
                                      factory=factory, batch_size=batch_size, train_size=train_size, device=device,
-                                     dtype=dtype, backend=encoder_backend)
+                                     dtype=dtype, backend=encoder_backend, target_recall=target_recall, tune_k=tune_k)
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         fail(str(e))
     console.print(f"built {manifest.kind} index of {manifest.corpus.num_docs:,} passages in {out}")
+    if manifest.tuning is not None:
+        t = manifest.tuning
+        console.print(f"search parameters {t.params or '(none)'}: recall@{t.k} {t.recall} on {t.queries} queries"
+                      + ("" if t.reached else f", below the target {t.target_recall} even at the most expensive"))
 
 
 @app.command()
@@ -147,9 +155,11 @@ def serve(
     encoder_backend: Annotated[str, typer.Option(help="what runs the query encoder: torch, onnx, onnx-int8, openvino "
                                                  "(CPU), or auto (the fastest one that keeps retrieval on a CPU)")] = "auto",
     gpu: Annotated[bool, typer.Option(help="shard the FAISS index over all GPUs in fp16 (needs faiss-gpu)")] = False,
-    search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each loading its own copy of "
-                                         "the index (memory x N) and batching on its own; /metrics is per process")] = 1,
+    search_params: Annotated[str | None, typer.Option(help="FAISS search parameters, e.g. nprobe=64; default: "
+                                                         "those `emapg index --target-recall` chose, if any")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="server processes on this port, each with its own encoder and "
+                                         "batcher; the FAISS index is memory-mapped, so they share one copy of it; "
+                                         "/metrics and /health are per process")] = 1,
     access_log: Annotated[bool, typer.Option(help="log one line per request (off: /metrics counts them)")] = False,
 ) -> None:
     """Serve Search-R1's POST /retrieve over an index folder. To scale out past one machine, run replicas (this

@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 from pydantic.fields import FieldInfo
+
+from retriever.kinds import index_kind
+from retriever.memory import ProcessMemory
 
 DEFAULT_TOPK = 3  # Search-R1's default and the paper's recipe
 MAX_TOPK = 100
@@ -114,7 +117,7 @@ class Health(BaseModel):
 
     status: Literal["ok"] = "ok"
     index_loaded: bool = True
-    kind: Literal["dense", "bm25"]
+    kind: str = Field(description="the index kind: a name of retriever/kinds.py's INDEX_KINDS (dense, bm25, ...)")
     num_docs: int
     index_factory: str | None = Field(description="FAISS factory string; null for BM25")
     encoder: str | None = Field(description="query encoder name; null for BM25")
@@ -123,6 +126,17 @@ class Health(BaseModel):
     batching: bool
     cache_entries: int
     limits: SearchLimits
+    search_params: str | None = Field(default=None, description="FAISS search parameters in use (the build's "
+                                      "tuned ones unless the server was given others); null for none")
+    memory: ProcessMemory | None = Field(default=None, description="this server process's memory (each worker "
+                                         "answers for itself); null from servers before it was reported")
+
+    @field_validator("kind")
+    @classmethod
+    def _registered_kind(cls, kind: str) -> str:
+        # The registry is the one list of kinds: a backend added there is served (and read by clients) as it is.
+        index_kind(kind)
+        return kind
 
 
 # --- the search tool: one query, topk; for MCP clients and OpenAI-style function calling ---------------------------

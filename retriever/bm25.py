@@ -54,11 +54,14 @@ def build_bm25_index(
 
 
 class BM25Index:
-    def __init__(self, manifest: Manifest, docstore: DocStore, model: bm25s.BM25):
+    def __init__(self, manifest: Manifest, docstore: DocStore, model: bm25s.BM25, folder: Path | None = None):
         self.manifest = manifest
         self.docstore = docstore
         self.model = model
         self.params = manifest.bm25 or BM25Manifest()
+        # bm25s memory-maps its arrays (load(mmap=True)): workers share their pages, as /health shows.
+        files = sorted((Path(folder) / BM25_DIR).glob("*.npy")) if folder is not None else []
+        self.index_files = {f"{BM25_DIR}/{f.name}": f for f in files}
 
     @classmethod
     def load(cls, folder: Path, manifest: Manifest, docstore: DocStore) -> BM25Index:
@@ -67,7 +70,7 @@ class BM25Index:
             model = _bm25s().BM25.load(str(Path(folder) / BM25_DIR), mmap=True, show_progress=False)
         except (OSError, ValueError) as e:
             raise ValueError(f"index {folder}: the BM25 files are missing or corrupt; rebuild the index ({e})") from e
-        return cls(manifest, docstore, model)
+        return cls(manifest, docstore, model, Path(folder))
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         k = min(k, len(self.docstore))

@@ -18,6 +18,9 @@ from retriever.manifest import Manifest
 
 
 class SearchIndex(Protocol):
+    """What the server searches. A backend may also set `index_files` ({name: path} of the files it memory-maps,
+    whose residency GET /health reports) and `search_params` (what it searches with, shown there)."""
+
     manifest: Manifest
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:

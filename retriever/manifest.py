@@ -49,6 +49,29 @@ class CorpusManifest(BaseModel):
     num_docs: int
 
 
+class IndexFileManifest(BaseModel):
+    """The backend's main file as it was written, so a truncated, replaced or corrupted file is refused at load by
+    name instead of being searched (or crashing FAISS)."""
+
+    name: str  # relative to the index folder
+    num_bytes: int
+    # sha256 of the first and last MiB: reading a 64 GB file whole at every start would take minutes; a truncated
+    # file fails the size check, an overwritten one (another index, garbage) its header or tail.
+    ends_sha256: str
+
+
+class SearchTuning(BaseModel):
+    """The search parameters chosen at build time for a target recall, and the recall measured with them."""
+
+    params: str  # FAISS ParameterSpace string the server applies at load ("nprobe=32,k_factor_rf=4"; "" for none)
+    k: int
+    target_recall: float
+    recall: float  # mean recall@k against exact inner-product search over the same vectors, at `params`
+    reached: bool  # False: even the most expensive setting tried stayed below the target; `params` is that setting
+    queries: int
+    query_source: str  # how the tuning queries were made
+
+
 class Manifest(BaseModel):
     format_version: int = FORMAT_VERSION
     kind: str  # a name of retriever/kinds.py's INDEX_KINDS
@@ -57,6 +80,8 @@ class Manifest(BaseModel):
     encoder: EncoderManifest | None = None
     bm25: BM25Manifest | None = None
     params: dict[str, Any] | None = None  # a newer backend's own settings (dense and BM25 have typed sections above)
+    index_file: IndexFileManifest | None = None  # absent in manifests written before it was recorded
+    tuning: SearchTuning | None = None
     corpus: CorpusManifest
     created: str = ""
 

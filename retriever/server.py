@@ -5,6 +5,7 @@ function-calling schema), Prometheus `/metrics` and `/docs`. The request and res
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import time
@@ -39,6 +40,7 @@ from retriever.batcher import BatchingSearcher
 from retriever.encoder import resolve_encoder
 from retriever.index import SearchIndex, load_index
 from retriever.manifest import Manifest, check_requested_encoder
+from retriever.memory import ProcessMemory, process_memory
 from retriever.metrics import RetrieverMetrics
 
 TOKEN_ENV = "EMAPG_RETRIEVER_TOKEN"
@@ -66,7 +68,9 @@ class ServerSettings(BaseModel):
     encoder_backend: str = "auto"  # retriever/encoder.py BACKENDS; auto: the measured CPU default, torch on a GPU
     gpu_index: bool = False
     search_params: str | None = None
-    workers: int = Field(1, ge=1)  # processes on the one port, each with its own copy of the index
+    # Processes on the one port, each with its own encoder and batcher; the FAISS index is memory-mapped, so they
+    # share one copy of its pages (GET /health's memory shows each worker's private and shared bytes).
+    workers: int = Field(1, ge=1)
     # One log line per request costs ~10% of the throughput of 32 single-query clients on 2 cores
     # (docs/benchmarks.md); /metrics counts requests and latencies without it.
     access_log: bool = False
@@ -106,6 +110,14 @@ def _check_limits(req: RetrieveRequest, s: ServerSettings) -> JSONResponse | Non
 
 def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
     metrics = RetrieverMetrics()
+    # A backend that memory-maps files names them (DenseIndex: the FAISS file), so /health shows whether workers
+    # share their pages; one that does not is reported by process totals alone.
+    index_files = getattr(index, "index_files", {})
+
+    def memory() -> ProcessMemory:
+        return process_memory(index_files=index_files)
+
+    metrics.watch_memory(memory)
     searcher = BatchingSearcher(
         index.search,
         batching=settings.batching,
@@ -177,6 +189,8 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Health:
+        # /proc is read off the event loop: a few ms that concurrent /retrieve requests need not wait for.
+        process = await asyncio.to_thread(memory)
         m = index.manifest
         return Health(
             kind=m.kind,
@@ -188,6 +202,8 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
             batching=settings.batching,
             cache_entries=len(searcher.cache),
             limits=settings.limits,
+            search_params=getattr(index, "search_params", None),
+            memory=process,
         )
 
     @app.get("/tool")
@@ -200,7 +216,8 @@ def create_app(index: SearchIndex, settings: ServerSettings) -> FastAPI:
         responses={401: error_responses[401]},
     )
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: the memory gauges read /proc (tens of ms in a process with torch's many mappings).
+        return Response(await asyncio.to_thread(generate_latest, metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -230,9 +247,14 @@ def app_from_environment() -> FastAPI:
 
 
 def check_index_folder(settings: ServerSettings) -> None:
-    """Refuse a folder that is not an index, or an encoder it was not built with, before any worker starts: once,
-    as a clear error, rather than as a traceback from each worker. Reads only the manifest."""
+    """Refuse a folder that is not an index, an index file that is not the one built, or an encoder it was not built
+    with, before any worker starts: once, as a clear error, rather than as a traceback from each worker. Reads the
+    manifest and the index file's ends."""
     manifest = Manifest.read(settings.index)
+    if manifest.index_file is not None:  # a truncated or replaced file: one error now, not one per worker
+        from retriever.faiss_file import check_index_file
+
+        check_index_file(settings.index, manifest.index_file)
     if settings.encoder is None:
         return
     if manifest.encoder is None:
@@ -242,7 +264,8 @@ def check_index_folder(settings: ServerSettings) -> None:
 
 def serve(settings: ServerSettings) -> None:
     """One process loads the index and serves; with `workers` > 1, uvicorn starts that many processes sharing the
-    port, each loading the index itself (uvicorn needs an app factory it can import for that)."""
+    port, each loading the index itself (uvicorn needs an app factory it can import for that): each memory-maps the
+    same FAISS file, so the page cache holds it once."""
     import uvicorn
 
     if settings.workers == 1:

@@ -89,7 +89,10 @@ def test_clients_read_health_through_the_model(server_url):
         async with AsyncRetrieverClient(server_url) as client:
             return await client.health()
 
-    assert health == asyncio.run(read()).model_copy(update={"cache_entries": health.cache_entries})
+    # The cache and the process's memory move between two reads; the rest is the same answer.
+    assert health == asyncio.run(read()).model_copy(update={"cache_entries": health.cache_entries,
+                                                            "memory": health.memory})
+    assert health.memory is not None and health.memory.rss_bytes > 0
     assert health.limits == FIXTURE_LIMITS and health.encoder == "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -141,8 +144,10 @@ def test_get_tool_and_tool_schema_command_give_the_schema_under_the_servers_limi
 
 SERVER_SIDE = {"retriever.docstore", "retriever.server"}
 # The `serve` command runs the server, and the server's own tests configure it; nothing else reaches past the client.
-# test_index_kinds.py serves a fake backend (defined in the test) through the server's own app, in its process.
-MAY_IMPORT_THE_SERVER = {"emapg/cli_retriever.py", "tests/test_server.py", "tests/test_index_kinds.py"}
+# test_index_kinds.py serves a fake backend (defined in the test) through the server's own app, in its process;
+# test_tuning.py reads the tuned search parameters back from the server's /health the same way.
+MAY_IMPORT_THE_SERVER = {"emapg/cli_retriever.py", "tests/test_server.py", "tests/test_index_kinds.py",
+                         "tests/test_tuning.py"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,7 +1,8 @@
-"""A new retrieval backend is its module plus one line of retriever/kinds.py: a fake backend defined in this test
-module (word overlap, a fake named as one) is registered by that one line, built through `emapg index --kind`,
-recorded in the manifest, loaded by `load_index` and served by the server's own app (in this process: the fake lives
-here), which answers `POST /retrieve` with it; an unknown kind is refused by name, at the CLI and in a manifest."""
+"""A new retrieval backend is one file: a fake backend defined in this test module (word overlap, a fake named as
+one) registers itself with `register_index_kind`, is built through `emapg index --kind`, recorded in the manifest,
+loaded by `load_index` and served by the server's own app (in this process: the fake lives here), whose `GET /health`
+names its kind and whose `POST /retrieve` answers with it; nothing outside this file lists it. An unknown kind is
+refused by name, at the CLI, in a manifest and in a /health answer."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from data.corpus import read_jsonl
+from retriever.api import Health
 from retriever.build import add_corpus, building_folder, finish_build
-from retriever.kinds import INDEX_KINDS, IndexKind
+from retriever.kinds import INDEX_KINDS, IndexKind, register_index_kind
 from retriever.manifest import Manifest
 
 
@@ -49,10 +51,11 @@ class FakeOverlapIndex:
 
 
 @pytest.fixture
-def overlap_kind(monkeypatch):
-    # The one line a new backend adds to retriever/kinds.py's INDEX_KINDS:
-    monkeypatch.setitem(INDEX_KINDS, "overlap", IndexKind(__name__, "build_overlap_index", "FakeOverlapIndex",
-                                                          "word_overlap"))
+def overlap_kind():
+    # What a new backend's module does to be served:
+    register_index_kind("overlap", IndexKind(__name__, "build_overlap_index", "FakeOverlapIndex", "word_overlap"))
+    yield
+    del INDEX_KINDS["overlap"]  # the registry is process-wide; other tests must not see the fake
 
 
 def test_a_backend_registered_by_one_line_is_built_by_the_cli_loaded_and_served(overlap_kind, small_corpus, tmp_path):
@@ -76,8 +79,14 @@ def test_a_backend_registered_by_one_line_is_built_by_the_cli_loaded_and_served(
         load_index(out, encoder="minilm")
     with TestClient(create_app(index, ServerSettings(index=out))) as client:
         response = client.post("/retrieve", json={"queries": ["Jane Austen novel"], "topk": 2})
+        health = client.get("/health")
     assert response.status_code == 200, response.text
     assert len(response.json()["result"][0]) == 2
+    assert health.status_code == 200, health.text
+    assert Health.model_validate(health.json()).kind == "overlap"  # as a client reads it
+    assert health.json()["num_docs"] == manifest["corpus"]["num_docs"] and health.json()["index_factory"] is None
+    with pytest.raises(ValueError, match="already registered"):
+        register_index_kind("overlap", IndexKind("elsewhere", "build", "Searcher", "word_overlap"))
 
 
 def test_an_unknown_kind_is_refused_by_name(small_corpus, tmp_path):
@@ -90,3 +99,8 @@ def test_an_unknown_kind_is_refused_by_name(small_corpus, tmp_path):
     assert result.exit_code == 2 and "unknown index kind 'splade'" in " ".join(result.output.split())
     with pytest.raises(ValueError, match="unknown index kind 'splade'"):
         Manifest(kind="splade", metric="x", corpus={"path": "c", "sha256": "0", "num_bytes": 1, "num_docs": 1})
+    health = {"kind": "splade", "num_docs": 1, "index_factory": None, "encoder": None, "passage_dtype": None,
+              "corpus_sha256": "0", "batching": True, "cache_entries": 0, "limits": {}}
+    with pytest.raises(ValueError, match="unknown index kind 'splade'"):
+        Health.model_validate(health)
+    assert Health.model_validate({**health, "kind": "bm25"}).kind == "bm25"

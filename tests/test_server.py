@@ -85,10 +85,15 @@ def test_health_and_metrics(server_url):
     health = httpx.get(server_url + "/health").json()
     assert health["status"] == "ok" and health["index_loaded"] and health["num_docs"] > 400
     assert health["encoder"] == "sentence-transformers/all-MiniLM-L6-v2"
+    memory = health["memory"]  # this process's; the index is memory-mapped (tests/test_shared_index_memory.py)
+    assert memory["rss_bytes"] >= memory["private_bytes"] > 0 and memory["pss_bytes"] > 0
+    assert [f["name"] for f in memory["index_files"]] == ["index.faiss"]
     post(server_url, {"queries": [QUESTION, QUESTION]})
     text = httpx.get(server_url + "/metrics").text
     for name in ["emapg_retriever_requests_total", "emapg_retriever_queries_total", "emapg_retriever_cache_hits_total",
-                 "emapg_retriever_batch_queries_bucket", "emapg_retriever_request_seconds_bucket"]:
+                 "emapg_retriever_batch_queries_bucket", "emapg_retriever_request_seconds_bucket",
+                 "emapg_retriever_memory_rss_bytes", "emapg_retriever_memory_pss_bytes",
+                 "emapg_retriever_memory_private_bytes", 'emapg_retriever_index_file_resident_bytes{file="index.faiss"}']:
         assert name in text
     assert httpx.get(server_url + "/docs").status_code == 200
     assert "/retrieve" in httpx.get(server_url + "/openapi.json").json()["paths"]
@@ -125,3 +130,19 @@ def test_access_log_is_off_unless_asked_for(dense_index_dir, tmp_path):
         with running_server(dense_index_dir, *extra, log=log) as url:
             assert post(url, {"queries": ["x"]}).status_code == 200
         assert ('"POST /retrieve HTTP/1.1" 200' in log.read_text()) is expected
+
+
+def test_bm25_health_reports_the_files_it_memory_maps(bm25_index_dir):
+    """bm25s memory-maps its arrays: /health names them (and has no FAISS search parameters)."""
+    from fastapi.testclient import TestClient
+
+    from retriever.index import load_index
+    from retriever.server import ServerSettings, create_app
+
+    index = load_index(bm25_index_dir)
+    with TestClient(create_app(index, ServerSettings(index=bm25_index_dir))) as client:
+        health = client.get("/health").json()
+        assert client.post("/retrieve", json={"queries": ["Jane Austen"]}).status_code == 200
+    assert health["kind"] == "bm25" and health["search_params"] is None
+    names = [f["name"] for f in health["memory"]["index_files"]]
+    assert names and all(n.startswith("bm25/") and n.endswith(".npy") for n in names)

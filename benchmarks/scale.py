@@ -1,0 +1,365 @@
+"""The retriever at scale: for each FAISS index type, on >= 1M real MiniLM vectors and on 21M synthetic ones (wiki-18's
+passage count), build time, file size, start-up time, memory (RSS, PSS, private) at start and under load, queries/s
+and p99 at c1 / c32 / c256 single-query clients and one client of 256-query batches, and recall@3 / @10 against exact
+search. One JSON line per (set, index type), printed and appended to <out>/results.jsonl (docs/scale.md).
+
+Sets:
+  real       windows of the packaged Wikipedia summaries (data/corpus.py): the corpus has 775,848 words, so 1M passages
+             need windows at every word: 10- and 20-word windows, stride 1 (1.43M in all; neighbours overlap heavily).
+             Whole articles (every 20th) are held out: queries are their windows, never near-copies of indexed
+             ones. Encoded once with the packaged MiniLM (384 dims) and cached.
+  synthetic  `--synthetic-vectors` vectors drawn from a Gaussian with the real vectors' mean and covariance, then
+             L2-normalised (what a unit-norm encoder gives), chunk by chunk from per-chunk seeds: never held whole,
+             only inside the index files. 384 dims: wiki-18's e5 vectors are 768, so its files are twice these.
+Exact top-10 of the held-out queries over each set is computed by streaming the set past them (retriever/tuning.py).
+Approximate types are built with `--target-recall` tuning (nprobe, k_factor_rf) on a second, disjoint query sample;
+recall is then measured on the first, in-process through the server's own loading code (memory-mapped).
+
+Every step is cached under --out and skipped when its output exists, so an interrupted run resumes: the encoded
+vectors (in parts), the corpora, the exact top-k, each index folder, each result. Index folders are deleted once
+measured (21M x 384 fp32 is 32 GB each) unless --keep-indexes.
+
+    python benchmarks/scale.py                      # real 1M and synthetic 21M, every type (hours: docs/scale.md)
+    python benchmarks/scale.py --sets real --search-r1 /work/.mirror/PeterGriffinJin+Search-R1/repo
+    python benchmarks/scale.py --small --out /tmp/scale-small   # seconds: 4k real + 20k synthetic, two types
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+from retriever_vs_search_r1 import measure, measure_search_r1, question_stream, search_r1_server
+from tqdm import tqdm
+
+from data.corpus import Passage, packaged_wiki_passages, write_jsonl
+from retriever.dense import TuningRequest, build_dense_from_vectors
+from retriever.encoder import Encoder, resolve_backend, resolve_dtype, resolve_encoder
+from retriever.index import load_index
+from retriever.manifest import EncoderManifest, Manifest, encoder_manifest
+from retriever.process import start_server
+from retriever.tuning import ExactTopK, recall_at_k
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 10
+WINDOW_WORDS = (10, 20)
+HELD_OUT_EVERY = 20  # every 20th article's windows are queries, never indexed
+SCENARIOS = {"c1": (1, 1), "c32": (32, 1), "c256": (256, 1), "b256": (1, 256)}  # (clients, queries per request)
+# name: factory; {nlist} is ~4 sqrt(N) rounded to a power of two (FAISS's guideline 4-16 sqrt(N)).
+KINDS = {
+    "flat": "Flat",
+    "sqfp16": "SQfp16",
+    "sq8": "SQ8",
+    "ivf-flat": "IVF{nlist},Flat",
+    "ivf-pq-refine": "IVF{nlist},PQ48,Refine(SQfp16)",
+    # The refine codes are added in memory: at 21M, SQfp16's are 16 GB (refused where MemAvailable is less), SQ8's 8.
+    "ivf-pq-refine-sq8": "IVF{nlist},PQ48,Refine(SQ8)",
+    "opq-ivf-pq-refine": "OPQ48_384,IVF{nlist},PQ48,Refine(SQfp16)",
+}
+SMALL_KINDS = ("flat", "ivf-flat")
+TRAIN_VECTORS = 200_000  # >= 39 x nlist for the 21M set's 16,384 lists would be 640k; FAISS warns and trains well
+CHUNK = 50_000
+
+
+def nlist_for(n: int) -> int:
+    return int(2 ** round(np.log2(4 * np.sqrt(n))))
+
+
+def machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# --- the real set: windows of the packaged summaries, encoded once ---------------------------------------------
+
+
+def windows(words: list[str], size: int) -> list[str]:
+    return [" ".join(words[i:i + size]) for i in range(max(1, len(words) - size + 1))]
+
+
+def window_texts() -> tuple[list[str], list[str]]:
+    """(indexable windows, held-out windows), deterministic."""
+    indexed, held_out = [], []
+    for i, p in enumerate(packaged_wiki_passages()):
+        words = p.text.split()
+        (held_out if i % HELD_OUT_EVERY == 0 else indexed).extend(w for size in WINDOW_WORDS for w in windows(words, size))
+    return indexed, held_out
+
+
+def encode_in_parts(enc: Encoder, texts: list[str], folder: Path, desc: str) -> np.ndarray:
+    """Passage vectors of `texts`, encoded CHUNK at a time into part files (an interrupted run keeps its parts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for start in tqdm(range(0, len(texts), CHUNK), desc=desc, unit="part"):
+        part = folder / f"part-{start // CHUNK:05d}.npy"
+        if not part.exists():
+            np.save(part.with_suffix(".tmp.npy"), enc.encode_passages(texts[start:start + CHUNK], batch_size=256))
+            part.with_suffix(".tmp.npy").replace(part)
+        parts.append(np.load(part))
+    return np.concatenate(parts)
+
+
+def encoders() -> tuple[Encoder, Encoder]:
+    """(passage encoder as `emapg index` picks it, query encoder as `emapg serve` runs it)."""
+    backend = resolve_backend("auto")
+    passages = Encoder(resolve_encoder("minilm"), dtype=resolve_dtype("auto", "cpu", backend), backend=backend)
+    return passages, Encoder(resolve_encoder("minilm"), backend=resolve_backend("auto"))
+
+
+class VectorSet:
+    """A set's corpus (row i = vector i), its vectors as chunks, a training sample, the held-out query vectors
+    (evaluation and tuning halves) and their exact top-K."""
+
+    def __init__(self, name: str, folder: Path, encoder: EncoderManifest, num: int, eval_queries: np.ndarray,
+                 tune_queries: np.ndarray, chunks, train: np.ndarray, copy_corpus: bool):
+        self.name, self.folder, self.encoder, self.num = name, folder, encoder, num
+        self.eval_queries, self.tune_queries = eval_queries, tune_queries
+        self.chunks, self.train, self.copy_corpus = chunks, train, copy_corpus
+        self.corpus = folder / "corpus.jsonl"
+        exact_path = folder / f"exact-top{K}.npy"
+        if not exact_path.exists():
+            exact = ExactTopK(eval_queries, K)
+            for x in tqdm(chunks(), desc=f"{name}: exact top-{K}", total=-(-num // CHUNK), unit="chunk"):
+                exact.add(x)
+            np.save(exact_path, exact.rows)
+        self.exact = np.load(exact_path)
+
+
+def real_set(out: Path, num: int, num_queries: int, passage_enc: Encoder, query_enc: Encoder) -> VectorSet:
+    folder = out / f"real-{num}"
+    indexed, held_out = window_texts()
+    if num > len(indexed):
+        raise SystemExit(f"--real-vectors {num:,}: the packaged corpus gives {len(indexed):,} windows")
+    rng = np.random.default_rng(0)
+    rows = np.sort(rng.choice(len(indexed), size=num, replace=False))
+    texts = [indexed[r] for r in rows]
+    queries = [held_out[q] for q in rng.choice(len(held_out), size=2 * num_queries, replace=False)]
+    vectors = encode_in_parts(passage_enc, texts, folder / "vectors", f"real: encoding {num:,} windows")
+    query_path = folder / f"queries-{num_queries}.npy"
+    if not query_path.exists():
+        np.save(query_path, query_enc.encode_queries(queries))
+    query_vectors = np.load(query_path)
+    if not (folder / "corpus.jsonl").exists():
+        write_jsonl((Passage(id=str(i), contents=f'"window {i}"\n{t}') for i, t in enumerate(texts)),
+                    folder / "corpus.jsonl")
+    train = vectors[rng.choice(num, size=min(TRAIN_VECTORS, num), replace=False)]
+    return VectorSet("real", folder, encoder_manifest(passage_enc), num, query_vectors[:num_queries],
+                     query_vectors[num_queries:], lambda: (vectors[i:i + CHUNK] for i in range(0, num, CHUNK)), train,
+                     copy_corpus=True)
+
+
+def synthetic_set(out: Path, num: int, real: VectorSet, real_vectors: np.ndarray) -> VectorSet:
+    """Gaussian with the real vectors' mean and covariance, L2-normalised; chunk i from seed (1, i)."""
+    folder = out / f"synthetic-{num}"
+    folder.mkdir(parents=True, exist_ok=True)
+    mean = real_vectors.mean(axis=0, dtype=np.float64)
+    cov = np.cov(real_vectors, rowvar=False)
+    factor = np.linalg.cholesky(cov + 1e-9 * np.eye(len(mean)))
+
+    def draw(seed: tuple[int, int], n: int) -> np.ndarray:
+        z = np.random.default_rng(seed).standard_normal((n, len(mean)))
+        x = (z @ factor.T + mean).astype(np.float32)
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    def chunks():
+        for i, start in enumerate(range(0, num, CHUNK)):
+            yield draw((1, i), min(CHUNK, num - start))
+
+    if not (folder / "corpus.jsonl").exists():
+        write_jsonl((Passage(id=str(i), contents=f'"synthetic {i}"\nsynthetic vector {i}') for i in range(num)),
+                    folder / "corpus.jsonl")
+    return VectorSet("synthetic", folder, real.encoder, num, real.eval_queries, real.tune_queries, chunks,
+                     draw((2, 0), min(TRAIN_VECTORS, num)), copy_corpus=False)
+
+
+# --- one index type: build, recall, serve under load --------------------------------------------------------------
+
+
+def build(vs: VectorSet, kind: str, target_recall: float) -> tuple[Path, dict]:
+    folder = vs.folder / "indexes" / kind
+    record = vs.folder / "indexes" / f"{kind}.build.json"
+    if record.exists() and (folder / "manifest.json").exists():
+        return folder, json.loads(record.read_text())
+    factory = KINDS[kind].format(nlist=nlist_for(vs.num))
+    tuning = TuningRequest(vs.tune_queries, target_recall, K, "held-out windows (disjoint from the evaluation ones)")
+    start = time.perf_counter()
+    build_dense_from_vectors(vs.corpus, folder, tqdm(vs.chunks(), desc=f"{vs.name}: building {factory}",
+                                                     total=-(-vs.num // CHUNK), unit="chunk"),
+                             encoder=vs.encoder, factory=factory, train_vectors=vs.train, copy_corpus=vs.copy_corpus,
+                             overwrite=True, tuning=tuning if factory != "Flat" else None)
+    info = {"factory": factory, "build_s": round(time.perf_counter() - start, 1),
+            "file_bytes": (folder / "index.faiss").stat().st_size}
+    record.write_text(json.dumps(info))
+    return folder, info
+
+
+def recall(folder: Path, vs: VectorSet) -> dict:
+    """Through the server's loading code (memory-mapped, the manifest's tuned parameters applied)."""
+    index = load_index(folder)
+    _, rows = index.search_vectors(vs.eval_queries, K)
+    index.docstore.close()
+    return {"recall@3": round(recall_at_k(rows, vs.exact, 3), 4), "recall@10": round(recall_at_k(rows, vs.exact, 10), 4),
+            "search_params": index.search_params}
+
+
+def memory_fields(health: dict) -> dict:
+    m = health["memory"] or {}
+    files = m.get("index_files") or [{}]
+    return {"rss_bytes": m.get("rss_bytes"), "pss_bytes": m.get("pss_bytes"), "private_bytes": m.get("private_bytes"),
+            "index_resident_bytes": files[0].get("resident_bytes")}
+
+
+class PeakMemory:
+    """Polls the server's /health every second while the load runs (its /proc read is off the server's event loop);
+    keeps each field's maximum."""
+
+    def __init__(self, url: str):
+        self.url, self.peak, self._stop = url, {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _sample(self, http: httpx.Client) -> None:
+        try:
+            now = memory_fields(http.get(self.url + "/health").json())
+        except httpx.HTTPError:
+            return
+        self.peak = {k: max(v, self.peak.get(k) or 0) if v is not None else None for k, v in now.items()}
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self._stop.wait(1.0):
+                self._sample(http)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        with httpx.Client(timeout=10) as http:  # once more at the end: a short load may see no poll
+            self._sample(http)
+
+
+def serve_and_load(folder: Path, window_s: float, rounds: int, stream: list[str]) -> dict:
+    start = time.perf_counter()
+    server = start_server(folder, "--cache-size", "0")
+    try:
+        startup_s = time.perf_counter() - start
+        at_start = memory_fields(httpx.get(server.url + "/health", timeout=30).json())
+        with PeakMemory(server.url) as peak:
+            load = measure(server.url, window_s, rounds, stream, SCENARIOS)
+        return {"startup_s": round(startup_s, 2), "memory_at_start": at_start, "memory_under_load_peak": peak.peak,
+                "load": load}
+    finally:
+        server.stop()
+
+
+def measure_kind(vs: VectorSet, kind: str, args, stream: list[str], results: Path) -> dict | None:
+    result_path = vs.folder / "results" / f"{kind}.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    try:
+        folder, built = build(vs, kind, args.target_recall)
+    except ValueError as e:  # e.g. an in-memory build larger than MemAvailable: a result saying so, not an OOM kill
+        row = {"set": vs.name, "kind": kind, "skipped": str(e)}
+        print(json.dumps(row), flush=True)
+        return None
+    manifest = Manifest.read(folder)
+    row = {
+        "benchmark": "scale", "set": vs.name, "vectors": vs.num, "dim": vs.encoder.dim, "kind": kind, **built,
+        "tuning": manifest.tuning.model_dump() if manifest.tuning else None, "queries": len(vs.eval_queries),
+        **recall(folder, vs), **serve_and_load(folder, args.window_s, args.rounds, stream),
+        "window_s": args.window_s, "rounds": args.rounds, "machine": machine(), "commit": commit(),
+        "date": datetime.now(UTC).date().isoformat(), "small": args.small,
+    }
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(row))
+    with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    if not args.keep_indexes and not (kind == "flat" and vs.name == "real" and args.search_r1):
+        shutil.rmtree(folder)
+    return row
+
+
+def search_r1_row(vs: VectorSet, args, stream: list[str], results: Path) -> None:
+    """Search-R1's own server (CPU-patched at run time, benchmarks/retriever_vs_search_r1.py) on the real Flat index
+    folder, under the same load."""
+    folder = vs.folder / "indexes" / "flat"
+    if not (folder / "manifest.json").exists():
+        folder, _ = build(vs, "flat", args.target_recall)
+    with tempfile.TemporaryDirectory() as tmp:
+        load = measure_search_r1(search_r1_server(args.search_r1, Path(tmp)), folder, args.window_s, args.rounds,
+                                 stream, SCENARIOS)
+    row = {"benchmark": "scale", "set": vs.name, "vectors": vs.num, "kind": "search_r1_flat", "load": load,
+           "window_s": args.window_s, "rounds": args.rounds, "machine": machine(), "commit": commit(),
+           "date": datetime.now(UTC).date().isoformat()}
+    with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "scale")
+    ap.add_argument("--small", action="store_true", help="4k real + 20k synthetic vectors, flat and ivf-flat, "
+                    "100 queries, 0.5 s per load scenario: the test's run")
+    ap.add_argument("--sets", default="real,synthetic")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
+    ap.add_argument("--real-vectors", type=int, default=1_000_000)
+    ap.add_argument("--synthetic-vectors", type=int, default=21_015_324)
+    ap.add_argument("--queries", type=int, default=1000, help="evaluation queries (as many again tune)")
+    ap.add_argument("--target-recall", type=float, default=0.95, help="of recall@10, for the approximate types")
+    ap.add_argument("--window-s", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--keep-indexes", action="store_true")
+    ap.add_argument("--search-r1", type=Path, help="git dir of a Search-R1 mirror: also measure its server on the "
+                    "real set's Flat index")
+    args = ap.parse_args()
+    if args.small:
+        args.real_vectors, args.synthetic_vectors, args.queries = 4_000, 20_000, 100
+        args.window_s, args.rounds = 0.5, 1
+        args.kinds = ",".join(k for k in args.kinds.split(",") if k in SMALL_KINDS)
+    kinds = args.kinds.split(",")
+    if unknown := [k for k in kinds if k not in KINDS]:
+        raise SystemExit(f"--kinds: unknown {unknown}; one of {', '.join(KINDS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "results.jsonl"
+    stream = question_stream(20_000)
+    passage_enc, query_enc = encoders()
+    real = real_set(args.out, args.real_vectors, args.queries, passage_enc, query_enc)
+    sets = {"real": lambda: real}
+    sets["synthetic"] = lambda: synthetic_set(args.out, args.synthetic_vectors, real,
+                                              np.concatenate(list(real.chunks())))
+    for name in args.sets.split(","):
+        vs = sets[name]()
+        for kind in kinds:
+            measure_kind(vs, kind, args, stream, results)
+        if name == "real" and args.search_r1:
+            search_r1_row(vs, args, stream, results)
+
+
+if __name__ == "__main__":
+    main()
