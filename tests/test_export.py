@@ -46,7 +46,7 @@ def runs(server_url, tiny_model_dir, tmp_path_factory) -> dict:
              "train.entropy_coef=0.1",
              "kl.topk=4", "ema.tau=0.5", "ema.period=1", "checkpoint.every=1"]
     run_cli("train", "name=full", *common, *train, "kl.estimator=topk")
-    run_cli("sft", "name=lora", *common, "sft.examples=2", "sft.batch_size=2", "sft.micro_batch_size=2",
+    run_cli("sft", "name=lora", *common, "sft.eval_questions=0", "sft.examples=2", "sft.batch_size=2", "sft.micro_batch_size=2",
             "sft.warmup_steps=0", "sft.lr=0.01")
     run_cli("train", "--init", str(tmp / "runs" / "lora" / "sft"), "name=lora", *common, *train, "kl.estimator=k3",
             "lora.rank=4", "lora.alpha=8")

@@ -48,7 +48,7 @@ def run_folder(server_url, tiny_model_dir, tmp_path_factory) -> Path:
     run = [f"model={tiny_model_dir}", f"out_dir={tmp / 'runs'}", "name=tiny", f"retriever.url={server_url}",
            "rollout.backend=transformers", "data.train=[bamboogle:test]", f"data.flashrag_root={flashrag}",
            "data.subset=full", "rollout.max_turns=2", "rollout.max_tokens_per_turn=8", "rollout.max_obs_tokens=64"]
-    run_cli("sft", *run, "sft.examples=2", "sft.batch_size=2", "sft.micro_batch_size=2", "sft.warmup_steps=0")
+    run_cli("sft", *run, "sft.eval_questions=0", "sft.examples=2", "sft.batch_size=2", "sft.micro_batch_size=2", "sft.warmup_steps=0")
     train = ("train.iterations=2", "train.prompts_per_iteration=2", "train.rollouts_per_prompt=2",
              "train.mini_batch_size=4", "train.micro_batch_size=4", "train.warmup_steps=0", "kl.topk=4",
              "checkpoint.every=1")
