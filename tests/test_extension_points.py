@@ -1,7 +1,7 @@
 """The extension points README promises, each exercised the way a user adds one: a fake one defined in one file
 (this one, or a module written here), then run through the code that uses it, with nothing else edited. The fakes
-are removed from their tables after each test. (The retrieval backend's is in tests/test_index_kinds.py; a new arm
-is tests/test_methods.py's.)"""
+are removed from their tables after each test. (The retrieval backend's is in tests/test_index_kinds.py, the arm's in
+tests/test_extension_arm.py.)"""
 
 from __future__ import annotations
 
