@@ -22,6 +22,7 @@ measured (21M x 384 fp32 is 32 GB each) unless --keep-indexes.
     python benchmarks/scale.py                      # real 1M and synthetic 21M, every type (hours: docs/scale.md)
     python benchmarks/scale.py --sets real --search-r1 /work/.mirror/PeterGriffinJin+Search-R1/repo
     python benchmarks/scale.py --small --out /tmp/scale-small   # seconds: 4k real + 20k synthetic, two types
+    OMP_NUM_THREADS=1 python benchmarks/scale.py --prepare      # the sets only: may share the machine (no timing)
 """
 
 from __future__ import annotations
@@ -335,6 +336,8 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--keep-indexes", action="store_true")
+    ap.add_argument("--prepare", action="store_true", help="compute the sets (encoded vectors, queries, exact top-k) "
+                    "and stop before any build: nothing timed, so it may run beside other work")
     ap.add_argument("--search-r1", type=Path, help="git dir of a Search-R1 mirror: also measure its server on the "
                     "real set's Flat index")
     args = ap.parse_args()
@@ -355,6 +358,9 @@ def main() -> None:
                                               np.concatenate(list(real.chunks())))
     for name in args.sets.split(","):
         vs = sets[name]()
+        if args.prepare:
+            print(json.dumps({"set": name, "vectors": vs.num, "prepared": str(vs.folder)}), flush=True)
+            continue
         for kind in kinds:
             measure_kind(vs, kind, args, stream, results)
         if name == "real" and args.search_r1:
