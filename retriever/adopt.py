@@ -29,6 +29,7 @@ from retriever.build import add_corpus, building_folder, finish_build
 from retriever.dense import FAISS_FILE
 from retriever.docstore import DocStore
 from retriever.encoder import PRESETS, Encoder, EncoderSpec, resolve_encoder
+from retriever.faiss_file import read_faiss_file
 from retriever.manifest import Manifest, encoder_manifest
 
 Link = Literal["symlink", "hardlink", "copy"]
@@ -172,19 +173,6 @@ def stored_precision(vectors: np.ndarray) -> Literal["float32", "float16", "bflo
     return "float32"
 
 
-def read_faiss(path: Path) -> faiss.Index:
-    """The index, memory-mapped where FAISS can (flat codes: a 60 GB Flat index is paged in only as read)."""
-    try:
-        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
-    except RuntimeError:
-        pass
-    try:
-        return faiss.read_index(str(path))
-    except RuntimeError as e:
-        raise ValueError(f"{path} is not a FAISS index FAISS {faiss.__version__} can read: "
-                         f"{str(e).strip().splitlines()[-1]}") from e
-
-
 def faiss_type(index: faiss.Index) -> str:
     """`Flat` for a flat index, as our own builds record it; else FAISS's class name (IndexHNSWFlat, ...)."""
     name = type(faiss.downcast_index(index)).__name__
@@ -273,7 +261,7 @@ def adopt_faiss_index(
             raise ValueError(f"{what} {path} is inside --out {out}, which adopting replaces; choose another --out")
     spec = search_r1_encoder(encoder, query_prefix, passage_prefix)
     check_encoder_loads(spec)
-    index = read_faiss(faiss_file)
+    index = read_faiss_file(faiss_file.parent, faiss_file.name, None)  # memory-mapped: a 60 GB Flat is paged in as read
     checks: list[Check] = []
 
     def record(name: str, ok: bool, found: str) -> None:
