@@ -20,7 +20,7 @@ vectors (in parts), the corpora, the exact top-k, each index folder, each result
 measured (21M x 384 fp32 is 32 GB each) unless --keep-indexes.
 
     python benchmarks/scale.py                      # real 1M and synthetic 21M, every type (hours: docs/scale.md)
-    python benchmarks/scale.py --sets real --search-r1 /work/.mirror/PeterGriffinJin+Search-R1/repo
+    python benchmarks/scale.py --sets real --search-r1 <a git clone of PeterGriffinJin/Search-R1>
     python benchmarks/scale.py --small --out /tmp/scale-small   # seconds: 4k real + 20k synthetic, two types
     OMP_NUM_THREADS=1 python benchmarks/scale.py --prepare      # the sets only: may share the machine (no timing)
 """
@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from front_door_times import machine_kind
 from retriever_vs_search_r1 import measure, measure_search_r1, question_stream, search_r1_server
 from tqdm import tqdm
 
@@ -78,17 +79,23 @@ def nlist_for(n: int) -> int:
 
 
 def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    """The machine kind (as README's time table names it), its cores and memory, and the 1-minute load average when
+    the figure was taken: anything near or above the core count means the figure was taken under load."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem}
+    return {"kind": machine_kind(cpuinfo) if cpuinfo else platform.processor(), "cores": os.cpu_count(),
+            "memory_bytes": mem, "load_1min": round(os.getloadavg()[0], 2)}
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    """HEAD's short hash, marked when the tree has uncommitted changes to tracked files."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=True).stdout.strip()
+    try:
+        dirty = bool(git("status", "--porcelain", "-uno"))
+        return git("rev-parse", "--short", "HEAD") + (" (uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -338,7 +345,7 @@ def main() -> None:
     ap.add_argument("--keep-indexes", action="store_true")
     ap.add_argument("--prepare", action="store_true", help="compute the sets (encoded vectors, queries, exact top-k) "
                     "and stop before any build: nothing timed, so it may run beside other work")
-    ap.add_argument("--search-r1", type=Path, help="git dir of a Search-R1 mirror: also measure its server on the "
+    ap.add_argument("--search-r1", type=Path, help="a git clone of Search-R1: also measure its server on the "
                     "real set's Flat index")
     args = ap.parse_args()
     if args.small:

@@ -37,6 +37,8 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
         assert set(row["load"]) == {"c1", "c32", "c256", "b256"}
         assert all(set(s) == LOAD and s["errors"] == 0 for s in row["load"].values())
         assert row["load"]["c1"]["requests"] > 0 and row["file_bytes"] > 0 and row["startup_s"] > 0
+        # Every figure names its machine kind and whether the machine was loaded when it was taken.
+        assert {"kind", "cores", "memory_bytes", "load_1min"} <= set(row["machine"]) and row["machine"]["kind"]
         # Under load the whole index was paged in through the memory map.
         assert row["memory_under_load_peak"]["index_resident_bytes"] >= 0.9 * row["file_bytes"]
     flats = [r for r in printed if r["kind"] == "flat"]
@@ -49,3 +51,16 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
         assert (out / name / "exact-top10.npy").exists() and len(list((out / name / "results").glob("*.json"))) == 2
     assert list((out / "real-4000" / "vectors").glob("part-*.npy"))
     assert not list((out / "real-4000" / "indexes").glob("*/manifest.json"))  # measured indexes are deleted
+
+
+def test_prepare_computes_the_sets_and_builds_nothing(tmp_path):
+    """`--prepare` (run beside other work) leaves the encoded vectors and exact top-k, and no index or result."""
+    out = tmp_path / "scale"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--small", "--prepare", "--out",
+                          str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [json.loads(line)["set"] for line in run.stdout.splitlines()] == ["real", "synthetic"]
+    for name in ("real-4000", "synthetic-20000"):
+        assert (out / name / "exact-top10.npy").exists() and not (out / name / "indexes").exists()
+    assert not (out / "results.jsonl").exists()
