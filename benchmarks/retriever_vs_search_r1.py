@@ -1,7 +1,7 @@
 """Our retrieval server against Search-R1's own `retrieval_server.py`, side by side in one run, on one index folder
 and one query stream. Prints one JSON line.
 
-Search-R1's server is read at run time from a local git mirror of its repository (`--search-r1`, the git dir; this
+Search-R1's server is read at run time from a local git clone of its repository (`--search-r1`; this
 repository holds none of its code), written to a temp folder and patched for the CPU there: no `.cuda()` calls, fp32
 instead of its hard-coded fp16 (which a CPU runs slowly), its corpus read with its own `read_jsonl` instead of the
 `datasets` library (not installed here; a list is as fast to index), and loopback on a free port. It serves the
@@ -15,7 +15,7 @@ the window closes are not counted. Our server runs with its result cache off, so
 Scenarios: c1, c8, c32 (that many clients, one query per request) and b256 (one client, 256 queries per request:
 the encoder fed whole batches, our batching's ceiling).
 
-    python benchmarks/retriever_vs_search_r1.py --search-r1 /work/.mirror/PeterGriffinJin+Search-R1/repo \
+    python benchmarks/retriever_vs_search_r1.py --search-r1 ../Search-R1 \
         [--index artifacts/indexes/wiki-minilm-flat] [--ours auto,torch] [--window-s 20] [--rounds 2]
 
 Each `--ours` entry is an `--encoder-backend` value, optionally followed by more `emapg serve` options ("auto
