@@ -72,6 +72,7 @@ KINDS = {
 SMALL_KINDS = ("flat", "ivf-flat")
 TRAIN_VECTORS = 200_000  # >= 39 x nlist for the 21M set's 16,384 lists would be 640k; FAISS warns and trains well
 CHUNK = 50_000
+SINGLE_QUERIES, SINGLE_S = 100, 30.0  # the search alone, one query at a time: at most 100 queries or ~30 s
 
 
 def nlist_for(n: int) -> int:
@@ -224,12 +225,27 @@ def build(vs: VectorSet, kind: str, target_recall: float) -> tuple[Path, dict]:
 
 
 def recall(folder: Path, vs: VectorSet) -> dict:
-    """Through the server's loading code (memory-mapped, the manifest's tuned parameters applied)."""
+    """Through the server's loading code (memory-mapped, the manifest's tuned parameters applied): recall against
+    exact search, and the search alone (no encoder, no HTTP) timed on the evaluation queries, as one batch and one at a
+    time (the first SINGLE_QUERIES, or as many as SINGLE_S allows: a scan from disk takes a minute), after one warm-up
+    batch that pages the index in."""
     index = load_index(folder)
+    index.search_vectors(vs.eval_queries, K)
+    start = time.perf_counter()
     _, rows = index.search_vectors(vs.eval_queries, K)
+    batch_s = time.perf_counter() - start
+    start, singles = time.perf_counter(), 0
+    for q in vs.eval_queries[:SINGLE_QUERIES]:
+        index.search_vectors(q[None], K)
+        singles += 1
+        if time.perf_counter() - start > SINGLE_S:
+            break
+    single_s = time.perf_counter() - start
     index.docstore.close()
     return {"recall@3": round(recall_at_k(rows, vs.exact, 3), 4), "recall@10": round(recall_at_k(rows, vs.exact, 10), 4),
-            "search_params": index.search_params}
+            "search_params": index.search_params,
+            "search_only": {"batch_queries_per_s": round(len(vs.eval_queries) / batch_s, 1),
+                            "single_queries_per_s": round(singles / single_s, 1)}}
 
 
 def memory_fields(health: dict) -> dict:

@@ -33,6 +33,8 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
     for row in printed:
         assert FIELDS <= set(row), FIELDS - set(row)
         assert 0.0 <= row["recall@3"] <= 1.0 and 0.0 <= row["recall@10"] <= 1.0
+        assert set(row["search_only"]) == {"batch_queries_per_s", "single_queries_per_s"}
+        assert all(v > 0 for v in row["search_only"].values())
         assert set(row["memory_at_start"]) == MEMORY and set(row["memory_under_load_peak"]) == MEMORY
         assert set(row["load"]) == {"c1", "c32", "c256", "b256"}
         assert all(set(s) == LOAD and s["errors"] == 0 for s in row["load"].values())
