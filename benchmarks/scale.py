@@ -80,13 +80,36 @@ def nlist_for(n: int) -> int:
 
 
 def machine() -> dict:
-    """The machine kind (as README's time table names it), its cores and memory, and the 1-minute load average when
-    the figure was taken: anything near or above the core count means the figure was taken under load."""
+    """The machine kind (as README's time table names it), its cores and memory."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
     return {"kind": machine_kind(cpuinfo) if cpuinfo else platform.processor(), "cores": os.cpu_count(),
-            "memory_bytes": mem, "load_1min": round(os.getloadavg()[0], 2)}
+            "memory_bytes": mem}
+
+
+class OtherWork:
+    """How many cores other processes kept busy while a measurement ran, on average: the machine's busy time
+    (/proc/stat: user, nice, system, irq, softirq) less this process's and its reaped children's (the servers it
+    started and stopped), over the wall time. Near 0: the figure was taken alone; near a core or more: under load."""
+
+    @staticmethod
+    def _busy_s() -> float:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def __enter__(self) -> OtherWork:
+        self._start = (self._busy_s(), self._own_s(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own = self._busy_s() - self._start[0], self._own_s() - self._start[1]
+        self.cores = round(max(0.0, busy - own) / (time.perf_counter() - self._start[2]), 2)
 
 
 def commit() -> str:
@@ -304,20 +327,22 @@ def measure_kind(vs: VectorSet, kind: str, args, stream: list[str], results: Pat
     result_path = vs.folder / "results" / f"{kind}.json"
     if result_path.exists():
         return json.loads(result_path.read_text())
-    try:
-        folder, built = build(vs, kind, args.target_recall)
-    except ValueError as e:  # e.g. an in-memory build larger than MemAvailable: a result saying so, not an OOM kill
-        row = {"set": vs.name, "kind": kind, "skipped": str(e)}
-        print(json.dumps(row), flush=True)
-        return None
-    manifest = Manifest.read(folder)
-    row = {
-        "benchmark": "scale", "set": vs.name, "vectors": vs.num, "dim": vs.encoder.dim, "kind": kind, **built,
-        "tuning": manifest.tuning.model_dump() if manifest.tuning else None, "queries": len(vs.eval_queries),
-        **recall(folder, vs), **serve_and_load(folder, args.window_s, args.rounds, stream),
-        "window_s": args.window_s, "rounds": args.rounds, "machine": machine(), "commit": commit(),
-        "date": datetime.now(UTC).date().isoformat(), "small": args.small,
-    }
+    with OtherWork() as other:
+        try:
+            folder, built = build(vs, kind, args.target_recall)
+        except ValueError as e:  # e.g. an in-memory build larger than MemAvailable: a result saying so, not an OOM kill
+            row = {"set": vs.name, "kind": kind, "skipped": str(e)}
+            print(json.dumps(row), flush=True)
+            return None
+        manifest = Manifest.read(folder)
+        row = {
+            "benchmark": "scale", "set": vs.name, "vectors": vs.num, "dim": vs.encoder.dim, "kind": kind, **built,
+            "tuning": manifest.tuning.model_dump() if manifest.tuning else None, "queries": len(vs.eval_queries),
+            **recall(folder, vs), **serve_and_load(folder, args.window_s, args.rounds, stream),
+            "window_s": args.window_s, "rounds": args.rounds, "commit": commit(),
+            "date": datetime.now(UTC).date().isoformat(), "small": args.small,
+        }
+    row["machine"] = {**machine(), "other_cores_busy": other.cores}
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.write_text(json.dumps(row))
     with open(results, "a") as f:
@@ -334,12 +359,12 @@ def search_r1_row(vs: VectorSet, args, stream: list[str], results: Path) -> None
     folder = vs.folder / "indexes" / "flat"
     if not (folder / "manifest.json").exists():
         folder, _ = build(vs, "flat", args.target_recall)
-    with tempfile.TemporaryDirectory() as tmp:
+    with OtherWork() as other, tempfile.TemporaryDirectory() as tmp:
         load = measure_search_r1(search_r1_server(args.search_r1, Path(tmp)), folder, args.window_s, args.rounds,
                                  stream, SCENARIOS)
     row = {"benchmark": "scale", "set": vs.name, "vectors": vs.num, "kind": "search_r1_flat", "load": load,
-           "window_s": args.window_s, "rounds": args.rounds, "machine": machine(), "commit": commit(),
-           "date": datetime.now(UTC).date().isoformat()}
+           "window_s": args.window_s, "rounds": args.rounds, "machine": {**machine(), "other_cores_busy": other.cores},
+           "commit": commit(), "date": datetime.now(UTC).date().isoformat()}
     with open(results, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)

@@ -122,12 +122,12 @@ def result_table(rows: dict[tuple[str, str], dict], set_name: str) -> str:
     measured = [r for r in rows.values() if r["set"] == set_name and "machine" in r]
     if measured:
         r = measured[0]
-        loads = sorted({x["machine"].get("load_1min", 0) for x in measured})
+        others = sorted(x["machine"]["other_cores_busy"] for x in measured)
         lines.append("")
         lines.append(f"{r['vectors']:,} vectors of {r['dim']} dims; {r['machine']['kind']}, {r['machine']['cores']} "
                      f"cores; commits {', '.join(sorted({x['commit'] for x in measured}))}; "
-                     f"{', '.join(sorted({x['date'] for x in measured}))}; 1-minute load average at the start of each "
-                     f"measurement {loads[0]}-{loads[-1]}.")
+                     f"{', '.join(sorted({x['date'] for x in measured}))}; cores kept busy by other processes while each "
+                     f"type was measured: {others[0]}-{others[-1]} (0: alone).")
     return "\n".join(lines)
 
 

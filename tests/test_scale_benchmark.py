@@ -40,7 +40,8 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
         assert all(set(s) == LOAD and s["errors"] == 0 for s in row["load"].values())
         assert row["load"]["c1"]["requests"] > 0 and row["file_bytes"] > 0 and row["startup_s"] > 0
         # Every figure names its machine kind and whether the machine was loaded when it was taken.
-        assert {"kind", "cores", "memory_bytes", "load_1min"} <= set(row["machine"]) and row["machine"]["kind"]
+        assert set(row["machine"]) == {"kind", "cores", "memory_bytes", "other_cores_busy"} and row["machine"]["kind"]
+        assert 0.0 <= row["machine"]["other_cores_busy"] <= row["machine"]["cores"]
         # Under load the whole index was paged in through the memory map.
         assert row["memory_under_load_peak"]["index_resident_bytes"] >= 0.9 * row["file_bytes"]
     flats = [r for r in printed if r["kind"] == "flat"]
