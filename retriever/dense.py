@@ -31,6 +31,16 @@ from retriever.manifest import (
 from retriever.tuning import ExactTopK, tune_search
 
 FAISS_FILE = "index.faiss"
+# faiss-cpu 1.15.1 searches a Flat index (and an IVF index's Flat quantizer) through BLAS only from queries x dim >=
+# 128,000 (333 queries at 384 dims); below that it scans the whole database once per query. At 1M x 384 a 256-query
+# batch ran at 19 q/s that way and at 312 through BLAS, and a 16k-centroid quantizer 6.5x faster; BLAS wins from ~4
+# queries (benchmarks/faiss_blas_threshold.py, docs/benchmarks.md), so the server's batches use it from this many.
+BLAS_MIN_QUERIES = 8
+
+
+def use_blas_from(min_queries: int, dim: int) -> None:
+    """Process-wide (FAISS keeps it in a global): batches of `min_queries` or more `dim`-dim queries go through BLAS."""
+    faiss.cvar.distance_compute_blas_threshold = min_queries * dim
 
 
 def new_faiss_index(dim: int, factory: str) -> faiss.Index:
@@ -255,6 +265,7 @@ class DenseIndex:
         enc = Encoder(spec, device=device, dtype=query_dtype, backend=query_backend)
         check_loaded_encoder(manifest.encoder, enc)
         index = read_faiss_file(folder, FAISS_FILE, manifest.index_file)
+        use_blas_from(BLAS_MIN_QUERIES, index.d)
         if index.ntotal != manifest.corpus.num_docs or index.d != manifest.encoder.dim:
             raise ValueError(
                 f"index {folder}: {FAISS_FILE} holds {index.ntotal} vectors of dim {index.d}, the manifest says "

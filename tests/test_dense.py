@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
 
-from retriever.dense import new_faiss_index, train_faiss_index
+import faiss
+
+from retriever.dense import BLAS_MIN_QUERIES, new_faiss_index, train_faiss_index, use_blas_from
 
 
 def numpy_topk(queries: np.ndarray, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -24,6 +26,34 @@ def test_flat_index_equals_brute_force_numpy_topk():
     want_scores, want_rows = numpy_topk(queries, vectors, 10)
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_allclose(scores, want_scores, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("min_queries", [1, 10_000])
+def test_flat_search_through_blas_and_per_query_scan_both_equal_numpy(min_queries):
+    """FAISS's two exhaustive paths (BLAS for batches from `min_queries` up, else one scan per query) give numpy's
+    top-k: the server's choice of path changes speed, never results."""
+    rng = np.random.default_rng(1)
+    vectors, queries = unit_rows(rng, 5000, 64), unit_rows(rng, 50, 64)
+    index = new_faiss_index(64, "Flat")
+    index.add(vectors)
+    before = faiss.cvar.distance_compute_blas_threshold
+    try:
+        use_blas_from(min_queries, 64)
+        assert faiss.cvar.distance_compute_blas_threshold == min_queries * 64
+        scores, rows = index.search(queries, 10)
+    finally:
+        faiss.cvar.distance_compute_blas_threshold = before
+    want_scores, want_rows = numpy_topk(queries, vectors, 10)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_allclose(scores, want_scores, rtol=0, atol=1e-5)
+
+
+def test_loading_an_index_sends_batches_of_blas_min_queries_through_blas(dense_index_dir):
+    from retriever.index import load_index
+
+    faiss.cvar.distance_compute_blas_threshold = 128_000  # faiss-cpu 1.15.1's default
+    index = load_index(dense_index_dir)
+    assert faiss.cvar.distance_compute_blas_threshold == BLAS_MIN_QUERIES * index.faiss_index.d
 
 
 def test_real_encoder_search_equals_brute_force_over_its_own_embeddings(dense_index):
