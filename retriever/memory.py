@@ -98,3 +98,21 @@ def available_bytes() -> int | None:
         return _kib_fields((PROC / "meminfo").read_text()).get("MemAvailable")
     except OSError:
         return None
+
+
+def processes_mapping(root: int, path: Path) -> list[int]:
+    """`root` and its child processes that map `path`: a one-process server itself, or the worker processes of
+    `emapg serve --workers N` (uvicorn's parent maps nothing)."""
+    real = " " + str(Path(path).resolve()) + "\n"
+    try:
+        kids = [int(c) for c in (PROC / str(root) / "task" / str(root) / "children").read_text().split()]
+    except OSError:
+        return []
+    found = []
+    for pid in [root, *kids]:
+        try:
+            if real in (PROC / str(pid) / "maps").read_text():
+                found.append(pid)
+        except OSError:  # exited meanwhile
+            continue
+    return found

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from retriever.memory import process_memory
+from retriever.memory import process_memory, processes_mapping
 from retriever.process import start_server
 
 NUM_VECTORS = 32_768  # x 384 dims x 4 bytes = 48 MiB
@@ -46,14 +46,6 @@ def random_flat_index(tmp_path_factory) -> Path:
     return folder / "index"
 
 
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def maps_file(pid: int, path: Path) -> bool:
-    return str(path.resolve()) in Path(f"/proc/{pid}/maps").read_text()
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="reads Linux's /proc/<pid>/smaps_rollup")
 def test_two_workers_share_one_copy_of_a_memory_mapped_index(random_flat_index):
     faiss_file = random_flat_index / "index.faiss"
@@ -61,7 +53,7 @@ def test_two_workers_share_one_copy_of_a_memory_mapped_index(random_flat_index):
     server = start_server(random_flat_index, "--workers", "2", "--cache-size", "0")
     try:
         deadline = time.monotonic() + 60
-        while len(workers := [p for p in children(server.proc.pid) if maps_file(p, faiss_file)]) < 2:
+        while len(workers := processes_mapping(server.proc.pid, faiss_file)) < 2:
             assert time.monotonic() < deadline, "two workers did not map the index"
             time.sleep(0.5)
 
