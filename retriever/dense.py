@@ -33,8 +33,8 @@ from retriever.tuning import ExactTopK, tune_search
 FAISS_FILE = "index.faiss"
 # faiss-cpu 1.15.1 searches a Flat index (and an IVF index's Flat quantizer) through BLAS only from queries x dim >=
 # 128,000 (333 queries at 384 dims); below that it scans the whole database once per query. At 1M x 384 a 256-query
-# batch ran at 19 q/s that way and at 312 through BLAS, and a 16k-centroid quantizer 6.5x faster; BLAS wins from ~4
-# queries (benchmarks/faiss_blas_threshold.py, docs/benchmarks.md), so the server's batches use it from this many.
+# batch ran at 19 q/s that way and at 328 through BLAS, a 16k-centroid quantizer 7.6x faster; below ~8 queries the
+# two are within 2% (benchmarks/faiss_blas_threshold.py, docs/benchmarks.md), so batches use BLAS from this many.
 BLAS_MIN_QUERIES = 8
 
 
