@@ -3,8 +3,8 @@ after the other, over the same index folder:
 
     python benchmarks/shared_index_memory.py --index artifacts/scale/real-1000000/indexes/flat --workers 1,4
 
-Each server gets single-query requests from 32 concurrent clients until every worker has the whole FAISS file
-resident (a Flat search reads all of it; other types touch only what they probe, so they stop after
+Each server gets windows of single-query requests from 32 concurrent clients (benchmarks/retriever_vs_search_r1.py's
+closed loop) until every worker has the whole FAISS file resident (a Flat search reads all of it; other types touch only what they probe, so they stop after
 `--max-queries`), then each worker's RSS, PSS and private bytes are read from /proc, with the residency of the index
 file. RSS counts a shared page in every process that maps it; PSS divides it among them, so the sum of PSS over the
 workers is what the machine holds. Prints one JSON line.
@@ -18,23 +18,15 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 from front_door_times import machine_kind
+from retriever_vs_search_r1 import closed_loop, question_stream
 
 from retriever.dense import FAISS_FILE
 from retriever.memory import process_memory, processes_mapping
 from retriever.process import start_server
 
 CLIENTS = 32
-
-
-async def send(url: str, queries: list[str]) -> None:
-    async with httpx.AsyncClient(timeout=120) as http:
-        async def client(mine: list[str]) -> None:
-            for q in mine:
-                r = await http.post(url + "/retrieve", json={"queries": [q], "topk": 3})
-                r.raise_for_status()
-        await asyncio.gather(*(client(queries[i::CLIENTS]) for i in range(CLIENTS)))
+WINDOW_S = 2.0
 
 
 def measure(index: Path, workers: int, max_queries: int, timeout_s: float) -> dict:
@@ -52,12 +44,9 @@ def measure(index: Path, workers: int, max_queries: int, timeout_s: float) -> di
         def resident(pid: int) -> int:
             return process_memory(pid, {FAISS_FILE: faiss_file}).index_files[0].resident_bytes
 
-        while min(resident(p) for p in pids) < 0.95 * size and sent < max_queries:
-            batch = [f"question {sent + i} about the history of {sent + i}" for i in range(8 * CLIENTS)]
-            asyncio.run(send(server.url, batch))
-            sent += len(batch)
-            if time.monotonic() > deadline:
-                break
+        stream = question_stream(max_queries)
+        while min(resident(p) for p in pids) < 0.95 * size and sent < max_queries and time.monotonic() < deadline:
+            sent += asyncio.run(closed_loop(server.url, CLIENTS, 1, WINDOW_S, stream))["requests"]
         per_worker = []
         for pid in pids:
             m = process_memory(pid, {FAISS_FILE: faiss_file})
