@@ -11,6 +11,9 @@ Sets:
   synthetic  `--synthetic-vectors` vectors drawn from a Gaussian with the real vectors' mean and covariance, then
              L2-normalised (what a unit-norm encoder gives), chunk by chunk from per-chunk seeds: never held whole,
              only inside the index files. 384 dims: wiki-18's e5 vectors are 768, so its files are twice these.
+             It has no neighbourhoods: an approximate index's recall on it is not a real corpus's.
+  perturbed  as many vectors, each a real vector moved by noise (`perturbed_set`): the real set's neighbourhoods at
+             21M, for the recall an approximate type keeps at that count and the speed of the setting that keeps it.
 Exact top-10 of the held-out queries over each set is computed by streaming the set past them (retriever/tuning.py).
 Approximate types are built with `--target-recall` tuning (nprobe, k_factor_rf) on a second, disjoint query sample;
 recall is then measured on the first, in-process through the server's own loading code (memory-mapped).
@@ -19,9 +22,9 @@ Every step is cached under --out and skipped when its output exists, so an inter
 vectors (in parts), the corpora, the exact top-k, each index folder, each result. Index folders are deleted once
 measured (21M x 384 fp32 is 32 GB each) unless --keep-indexes.
 
-    python benchmarks/scale.py                      # real 1M and synthetic 21M, every type (hours: docs/scale.md)
+    python benchmarks/scale.py                      # real 1M, synthetic and perturbed 21M, every type (hours)
     python benchmarks/scale.py --sets real --search-r1 <a git clone of PeterGriffinJin/Search-R1>
-    python benchmarks/scale.py --small --out /tmp/scale-small   # seconds: 4k real + 20k synthetic, two types
+    python benchmarks/scale.py --small --out /tmp/scale-small   # a minute: 4k real, 20k synthetic and perturbed
     OMP_NUM_THREADS=1 python benchmarks/scale.py --prepare      # the sets only: may share the machine (no timing)
 """
 
@@ -72,6 +75,7 @@ KINDS = {
 SMALL_KINDS = ("flat", "ivf-flat")
 TRAIN_VECTORS = 200_000  # >= 39 x nlist for the 21M set's 16,384 lists would be 640k; FAISS warns and trains well
 CHUNK = 50_000
+PERTURB_RANK = 10  # the perturbed set's noise: a vector's cosine to its origin is the real set's 10th-neighbour one
 SINGLE_QUERIES, SINGLE_S = 100, 30.0  # the search alone, one query at a time: at most 100 queries or ~30 s
 
 
@@ -202,28 +206,89 @@ def real_set(out: Path, num: int, num_queries: int, passage_enc: Encoder, query_
                      copy_corpus=True)
 
 
+def covariance_factor(vectors: np.ndarray) -> np.ndarray:
+    """L with L L^T the vectors' covariance: z @ L.T for standard normal z has that covariance."""
+    return np.linalg.cholesky(np.cov(vectors, rowvar=False) + 1e-9 * np.eye(vectors.shape[1]))
+
+
+def drawn_set(name: str, folder: Path, num: int, real: VectorSet, draw, chunk_seed: int, train_seed: int) -> VectorSet:
+    """A set drawn chunk by chunk, never held whole: chunk i is draw((chunk_seed, i), n), the training sample
+    draw((train_seed, 0), n); the real set's queries; a corpus of numbered placeholder passages."""
+    def chunks():
+        for i, start in enumerate(range(0, num, CHUNK)):
+            yield draw((chunk_seed, i), min(CHUNK, num - start))
+
+    if not (folder / "corpus.jsonl").exists():
+        write_jsonl((Passage(id=str(i), contents=f'"{name} {i}"\n{name} vector {i}') for i in range(num)),
+                    folder / "corpus.jsonl")
+    return VectorSet(name, folder, real.encoder, num, real.eval_queries, real.tune_queries, chunks,
+                     draw((train_seed, 0), min(TRAIN_VECTORS, num)), copy_corpus=False)
+
+
 def synthetic_set(out: Path, num: int, real: VectorSet, real_vectors: np.ndarray) -> VectorSet:
     """Gaussian with the real vectors' mean and covariance, L2-normalised; chunk i from seed (1, i)."""
     folder = out / f"synthetic-{num}"
     folder.mkdir(parents=True, exist_ok=True)
-    mean = real_vectors.mean(axis=0, dtype=np.float64)
-    cov = np.cov(real_vectors, rowvar=False)
-    factor = np.linalg.cholesky(cov + 1e-9 * np.eye(len(mean)))
+    mean, factor = real_vectors.mean(axis=0, dtype=np.float64), covariance_factor(real_vectors)
 
     def draw(seed: tuple[int, int], n: int) -> np.ndarray:
         z = np.random.default_rng(seed).standard_normal((n, len(mean)))
         x = (z @ factor.T + mean).astype(np.float32)
         return x / np.linalg.norm(x, axis=1, keepdims=True)
 
-    def chunks():
-        for i, start in enumerate(range(0, num, CHUNK)):
-            yield draw((1, i), min(CHUNK, num - start))
+    return drawn_set("synthetic", folder, num, real, draw, chunk_seed=1, train_seed=2)
 
-    if not (folder / "corpus.jsonl").exists():
-        write_jsonl((Passage(id=str(i), contents=f'"synthetic {i}"\nsynthetic vector {i}') for i in range(num)),
-                    folder / "corpus.jsonl")
-    return VectorSet("synthetic", folder, real.encoder, num, real.eval_queries, real.tune_queries, chunks,
-                     draw((2, 0), min(TRAIN_VECTORS, num)), copy_corpus=False)
+
+def neighbour_cosine(vectors: np.ndarray, rank: int, sample: int = 1000) -> float:
+    """The median, over `sample` of `vectors` (seed 3), of the cosine to their `rank`-th nearest other one."""
+    rows = np.random.default_rng(3).choice(len(vectors), size=min(sample, len(vectors)), replace=False)
+    exact = ExactTopK(vectors[rows], rank + 1)  # column 0 is the vector itself
+    for start in range(0, len(vectors), CHUNK):
+        exact.add(vectors[start:start + CHUNK])
+    return float(np.median(exact.scores[:, rank]))
+
+
+def perturb(origins: np.ndarray, z: np.ndarray, factor: np.ndarray, scale: float) -> np.ndarray:
+    """origins + scale * z @ factor.T, L2-normalised: unit vectors moved by noise of covariance scale^2 L L^T."""
+    x = (origins + scale * (z @ factor.T)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def perturb_scale(vectors: np.ndarray, factor: np.ndarray, cosine: float, draws: int = 10_000) -> float:
+    """The noise scale at which a perturbed vector's median cosine to its origin is `cosine`: bisection on `draws`
+    perturbed vectors (seed 5), the cosine falling as the scale grows."""
+    rng = np.random.default_rng(5)
+    origins, z = vectors[rng.integers(0, len(vectors), draws)], rng.standard_normal((draws, len(factor)))
+    low, high = 0.0, 100.0
+    for _ in range(50):
+        scale = (low + high) / 2
+        low, high = (scale, high) if np.median((perturb(origins, z, factor, scale) * origins).sum(1)) > cosine \
+            else (low, scale)
+    return (low + high) / 2
+
+
+def perturbed_set(out: Path, num: int, real: VectorSet, real_vectors: np.ndarray) -> VectorSet:
+    """Real vectors with neighbourhoods, at any count: vector j is a real vector (drawn uniformly with replacement)
+    moved by Gaussian noise shaped like the real vectors' covariance, then L2-normalised. The noise is scaled so the
+    median cosine between a vector and the real one it came from equals the real set's median cosine between a vector
+    and its PERTURB_RANK-th nearest other one: at 21M from 1M, each real vector's ~21 offspring spread over the
+    neighbourhood where its nearest ~10 real neighbours lie."""
+    folder = out / f"perturbed-{num}"
+    folder.mkdir(parents=True, exist_ok=True)
+    calibration = folder / "calibration.json"
+    factor = covariance_factor(real_vectors)
+    if not calibration.exists():
+        cosine = neighbour_cosine(real_vectors, PERTURB_RANK)
+        calibration.write_text(json.dumps({"rank": PERTURB_RANK, "cosine": cosine,
+                                           "scale": perturb_scale(real_vectors, factor, cosine)}))
+    scale = json.loads(calibration.read_text())["scale"]
+
+    def draw(seed: tuple[int, int], n: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        origins = real_vectors[rng.integers(0, len(real_vectors), n)]
+        return perturb(origins, rng.standard_normal((n, len(factor))), factor, scale)
+
+    return drawn_set("perturbed", folder, num, real, draw, chunk_seed=4, train_seed=6)
 
 
 # --- one index type: build, recall, serve under load --------------------------------------------------------------
@@ -373,12 +438,12 @@ def search_r1_row(vs: VectorSet, args, stream: list[str], results: Path) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "scale")
-    ap.add_argument("--small", action="store_true", help="4k real + 20k synthetic vectors, flat and ivf-flat, "
+    ap.add_argument("--small", action="store_true", help="4k real, 20k synthetic and 20k perturbed vectors, flat and ivf-flat, "
                     "100 queries, 0.5 s per load scenario: the test's run")
-    ap.add_argument("--sets", default="real,synthetic")
+    ap.add_argument("--sets", default="real,synthetic,perturbed")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
     ap.add_argument("--real-vectors", type=int, default=1_000_000)
-    ap.add_argument("--synthetic-vectors", type=int, default=21_015_324)
+    ap.add_argument("--synthetic-vectors", type=int, default=21_015_324, help="the synthetic and perturbed sets' size")
     ap.add_argument("--queries", type=int, default=1000, help="evaluation queries (as many again tune)")
     ap.add_argument("--target-recall", type=float, default=0.95, help="of recall@10, for the approximate types")
     ap.add_argument("--window-s", type=float, default=20.0)
@@ -403,6 +468,8 @@ def main() -> None:
     real = real_set(args.out, args.real_vectors, args.queries, passage_enc, query_enc)
     sets = {"real": lambda: real}
     sets["synthetic"] = lambda: synthetic_set(args.out, args.synthetic_vectors, real,
+                                              np.concatenate(list(real.chunks())))
+    sets["perturbed"] = lambda: perturbed_set(args.out, args.synthetic_vectors, real,
                                               np.concatenate(list(real.chunks())))
     for name in args.sets.split(","):
         vs = sets[name]()

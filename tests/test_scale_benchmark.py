@@ -1,7 +1,8 @@
-"""`benchmarks/scale.py --small` end to end (4k real MiniLM vectors, 20k synthetic, Flat and IVF-Flat, 100 queries,
-real servers under a short load): every result line has the documented fields, recalls are in [0, 1], Flat is exact
-(recall 1.0 against the streamed exact top-k), the IVF index was tuned to the target and served with its tuned
-nprobe, and each step left its cache on disk so a rerun resumes. Checks the benchmark's shape, not its figures."""
+"""`benchmarks/scale.py --small` end to end (4k real MiniLM vectors, 20k synthetic and 20k perturbed, Flat and
+IVF-Flat, 100 queries, real servers under a short load): every result line has the documented fields, recalls are in
+[0, 1], Flat is exact (recall 1.0 against the streamed exact top-k), the IVF index was tuned to the target and served
+with its tuned nprobe, and each step left its cache on disk so a rerun resumes. Checks the benchmark's shape, not its
+figures. Then the perturbed set's two calibrations against direct computation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from scale import covariance_factor, neighbour_cosine, perturb, perturb_scale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"benchmark", "set", "vectors", "dim", "kind", "factory", "build_s", "file_bytes", "tuning", "queries",
@@ -28,8 +35,8 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
     printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     appended = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert printed == appended
-    assert [(r["set"], r["kind"]) for r in printed] == [("real", "flat"), ("real", "ivf-flat"),
-                                                        ("synthetic", "flat"), ("synthetic", "ivf-flat")]
+    assert [(r["set"], r["kind"]) for r in printed] == [(s, k) for s in ("real", "synthetic", "perturbed")
+                                                        for k in ("flat", "ivf-flat")]
     for row in printed:
         assert FIELDS <= set(row), FIELDS - set(row)
         assert 0.0 <= row["recall@3"] <= 1.0 and 0.0 <= row["recall@10"] <= 1.0
@@ -50,7 +57,7 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
         assert ivf["factory"].startswith("IVF") and ivf["search_params"] == ivf["tuning"]["params"]
         assert ivf["tuning"]["reached"] and ivf["tuning"]["recall"] >= 0.95
     # Each step's output is cached: a rerun would skip it.
-    for name in ("real-4000", "synthetic-20000"):
+    for name in ("real-4000", "synthetic-20000", "perturbed-20000"):
         assert (out / name / "exact-top10.npy").exists() and len(list((out / name / "results").glob("*.json"))) == 2
     assert list((out / "real-4000" / "vectors").glob("part-*.npy"))
     assert not list((out / "real-4000" / "indexes").glob("*/manifest.json"))  # measured indexes are deleted
@@ -63,7 +70,34 @@ def test_prepare_computes_the_sets_and_builds_nothing(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--small", "--prepare", "--out",
                           str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert [json.loads(line)["set"] for line in run.stdout.splitlines()] == ["real", "synthetic"]
-    for name in ("real-4000", "synthetic-20000"):
+    assert [json.loads(line)["set"] for line in run.stdout.splitlines()] == ["real", "synthetic", "perturbed"]
+    for name in ("real-4000", "synthetic-20000", "perturbed-20000"):
         assert (out / name / "exact-top10.npy").exists() and not (out / name / "indexes").exists()
     assert not (out / "results.jsonl").exists()
+
+
+def _clustered_unit_vectors(n: int, dim: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((20, dim))[rng.integers(0, 20, n)] + 0.3 * rng.standard_normal((n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_neighbour_cosine_is_the_median_cosine_to_the_rank_th_nearest_other_vector():
+    vectors = _clustered_unit_vectors(3000, 16, seed=0)
+    sample = np.random.default_rng(3).choice(len(vectors), size=200, replace=False)
+    cosines = np.sort(vectors[sample] @ vectors.T, axis=1)[:, ::-1]  # column 0: the vector itself
+    for rank in (1, 10):
+        assert neighbour_cosine(vectors, rank, sample=200) == pytest.approx(float(np.median(cosines[:, rank])))
+
+
+@pytest.mark.parametrize("cosine", [0.95, 0.8, 0.5])
+def test_perturbed_vectors_keep_the_median_cosine_to_their_origin(cosine):
+    """The scale found on one sample gives the asked median cosine on fresh draws, and perturbed vectors are unit."""
+    vectors = _clustered_unit_vectors(5000, 32, seed=1)
+    factor = covariance_factor(vectors)
+    scale = perturb_scale(vectors, factor, cosine)
+    rng = np.random.default_rng(7)
+    origins = vectors[rng.integers(0, len(vectors), 20_000)]
+    moved = perturb(origins, rng.standard_normal((20_000, len(factor))), factor, scale)
+    assert np.allclose(np.linalg.norm(moved, axis=1), 1.0, atol=1e-5)
+    assert float(np.median((moved * origins).sum(1))) == pytest.approx(cosine, abs=0.01)
