@@ -87,7 +87,7 @@ def test_tables_take_the_last_line_per_type_and_say_what_was_skipped():
     assert "| ivf-flat | skipped: needs 32.3 GB, 20.1 GB available |" in table
     assert "Intel Xeon with AMX, 2 cores" in table and "while each type was measured: 0.05-0.05 (0: alone)" in table
     wiki18 = wiki18_table(rows)
-    assert "| sq8 | - | 2.00 | 3.0 | 0.960 | 150.0 | 40.0 | 68 |" in wiki18 and "ivf-flat" not in wiki18
+    assert "| synthetic | sq8 | - | 2.00 | 3.0 | 0.960 | 150.0 | 40.0 | 68 |" in wiki18 and "ivf-flat" not in wiki18
     assert "measured at commit abc1234: sq8;" in table
 
 
@@ -98,4 +98,11 @@ def test_a_tuning_that_missed_its_target_is_said_so_in_both_tables():
                                        search_params=tuning["params"]))])
     assert ("| ivf-pq-refine-sq8 | nprobe=16384,k_factor_rf=64 (the most expensive; target not reached, 0.7966 on "
             "tuning queries) |") in result_table(rows, "synthetic")
-    assert "| ivf-pq-refine-sq8 | nprobe=16384,k_factor_rf=64 (no) |" in wiki18_table(rows)
+    assert "| synthetic | ivf-pq-refine-sq8 | nprobe=16384,k_factor_rf=64 (no) |" in wiki18_table(rows)
+
+
+def test_the_wiki18_table_takes_both_21m_sets_perturbed_first():
+    rows = latest_rows([json.dumps(row("sq8", "SQ8")), json.dumps({**row("sq8", "SQ8"), "set": "perturbed"}),
+                        json.dumps({**row("sq8", "SQ8", vectors=1_000_000), "set": "real"})])
+    lines = wiki18_table(rows).splitlines()[2:]
+    assert [ln.split(" | ")[0] for ln in lines] == ["| perturbed", "| synthetic"]
