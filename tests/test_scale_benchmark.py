@@ -2,7 +2,8 @@
 IVF-Flat, 100 queries, real servers under a short load): every result line has the documented fields, recalls are in
 [0, 1], Flat is exact (recall 1.0 against the streamed exact top-k), the IVF index was tuned to the target and served
 with its tuned nprobe, and each step left its cache on disk so a rerun resumes. Checks the benchmark's shape, not its
-figures. Then the perturbed set's two calibrations against direct computation."""
+figures; run after `--prepare`, whose caches it must resume from. Then the perturbed set's two calibrations against
+direct computation."""
 
 from __future__ import annotations
 
@@ -26,13 +27,26 @@ MEMORY = {"rss_bytes", "pss_bytes", "private_bytes", "index_resident_bytes"}
 LOAD = {"queries_per_s", "p50_ms", "p99_ms", "requests", "errors"}
 
 
-def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_path):
-    out = tmp_path / "scale"
+def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--small", "--out", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--small", "--out", str(out), *args],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run
+
+
+def test_small_scale_benchmark_prepares_then_prints_and_appends_one_line_per_set_and_type(tmp_path):
+    out = tmp_path / "scale"
+    # `--prepare` (run beside other work) leaves the encoded vectors and exact top-k, and no index or result.
+    prepared = _scale(out, "--prepare")
+    assert [json.loads(line)["set"] for line in prepared.stdout.splitlines()] == ["real", "synthetic", "perturbed"]
+    for name in ("real-4000", "synthetic-20000", "perturbed-20000"):
+        assert (out / name / "exact-top10.npy").exists() and not (out / name / "indexes").exists()
+    assert not (out / "results.jsonl").exists()
+    cached = {p: p.stat().st_mtime_ns for p in out.glob("*/*.npy")} | {p: p.stat().st_mtime_ns for p in
+                                                                       out.glob("*/vectors/part-*.npy")}
+
+    printed = [json.loads(line) for line in _scale(out).stdout.splitlines() if line.startswith("{")]
     appended = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert printed == appended
     assert [(r["set"], r["kind"]) for r in printed] == [(s, k) for s in ("real", "synthetic", "perturbed")
@@ -56,24 +70,12 @@ def test_small_scale_benchmark_prints_and_appends_one_line_per_set_and_type(tmp_
     for ivf in (r for r in printed if r["kind"] == "ivf-flat"):
         assert ivf["factory"].startswith("IVF") and ivf["search_params"] == ivf["tuning"]["params"]
         assert ivf["tuning"]["reached"] and ivf["tuning"]["recall"] >= 0.95
-    # Each step's output is cached: a rerun would skip it.
+    # The run resumed from what `--prepare` left (encoded parts, queries, exact top-k untouched), and cached its own
+    # steps: a rerun would skip them.
+    assert cached and all(p.stat().st_mtime_ns == mtime for p, mtime in cached.items())
     for name in ("real-4000", "synthetic-20000", "perturbed-20000"):
-        assert (out / name / "exact-top10.npy").exists() and len(list((out / name / "results").glob("*.json"))) == 2
-    assert list((out / "real-4000" / "vectors").glob("part-*.npy"))
+        assert len(list((out / name / "results").glob("*.json"))) == 2
     assert not list((out / "real-4000" / "indexes").glob("*/manifest.json"))  # measured indexes are deleted
-
-
-def test_prepare_computes_the_sets_and_builds_nothing(tmp_path):
-    """`--prepare` (run beside other work) leaves the encoded vectors and exact top-k, and no index or result."""
-    out = tmp_path / "scale"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--small", "--prepare", "--out",
-                          str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert [json.loads(line)["set"] for line in run.stdout.splitlines()] == ["real", "synthetic", "perturbed"]
-    for name in ("real-4000", "synthetic-20000", "perturbed-20000"):
-        assert (out / name / "exact-top10.npy").exists() and not (out / name / "indexes").exists()
-    assert not (out / "results.jsonl").exists()
 
 
 def _clustered_unit_vectors(n: int, dim: int, seed: int) -> np.ndarray:
