@@ -438,8 +438,8 @@ def search_r1_row(vs: VectorSet, args, stream: list[str], results: Path) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "scale")
-    ap.add_argument("--small", action="store_true", help="4k real, 20k synthetic and 20k perturbed vectors, flat and ivf-flat, "
-                    "100 queries, 0.5 s per load scenario: the test's run")
+    ap.add_argument("--small", action="store_true", help="4k real, 20k synthetic and 20k perturbed vectors, flat and "
+                    "ivf-flat, 100 queries, 0.5 s per load scenario: the test's run")
     ap.add_argument("--sets", default="real,synthetic,perturbed")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
     ap.add_argument("--real-vectors", type=int, default=1_000_000)
