@@ -31,6 +31,7 @@ measured (21M x 384 fp32 is 32 GB each) unless --keep-indexes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -467,10 +468,9 @@ def main() -> None:
     passage_enc, query_enc = encoders()
     real = real_set(args.out, args.real_vectors, args.queries, passage_enc, query_enc)
     sets = {"real": lambda: real}
-    sets["synthetic"] = lambda: synthetic_set(args.out, args.synthetic_vectors, real,
-                                              np.concatenate(list(real.chunks())))
-    sets["perturbed"] = lambda: perturbed_set(args.out, args.synthetic_vectors, real,
-                                              np.concatenate(list(real.chunks())))
+    real_vectors = functools.cache(lambda: np.concatenate(list(real.chunks())))  # both drawn sets model these
+    sets["synthetic"] = lambda: synthetic_set(args.out, args.synthetic_vectors, real, real_vectors())
+    sets["perturbed"] = lambda: perturbed_set(args.out, args.synthetic_vectors, real, real_vectors())
     for name in args.sets.split(","):
         vs = sets[name]()
         if args.prepare:

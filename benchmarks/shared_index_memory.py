@@ -4,8 +4,8 @@ after the other, over the same index folder:
     python benchmarks/shared_index_memory.py --index artifacts/scale/real-1000000/indexes/flat --workers 1,4
 
 Each server gets windows of single-query requests from 32 concurrent clients (benchmarks/retriever_vs_search_r1.py's
-closed loop) until every worker has the whole FAISS file resident (a Flat search reads all of it; other types touch only what they probe, so they stop after
-`--max-queries`), then each worker's RSS, PSS and private bytes are read from /proc, with the residency of the index
+closed loop) until every worker has the whole FAISS file resident (a Flat search reads all of it; other types touch
+only what they probe, so they stop after `--max-queries`), then each worker's RSS, PSS and private bytes are read from /proc, with the residency of the index
 file. RSS counts a shared page in every process that maps it; PSS divides it among them, so the sum of PSS over the
 workers is what the machine holds. Prints one JSON line.
 """
@@ -72,7 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(args.index, int(n), args.max_queries, args.timeout_s) for n in args.workers.split(",")]
     print(json.dumps({"benchmark": "shared_index_memory", "index": str(args.index), "runs": rows,
-                      "machine_kind": machine_kind(Path("/proc/cpuinfo").read_text()), "date": time.strftime("%Y-%m-%d", time.gmtime())}), flush=True)
+                      "machine_kind": machine_kind(Path("/proc/cpuinfo").read_text()),
+                      "date": time.strftime("%Y-%m-%d", time.gmtime())}), flush=True)
 
 
 if __name__ == "__main__":
