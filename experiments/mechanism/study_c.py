@@ -232,7 +232,7 @@ def plot(cells: dict, path: Path, study_a: dict | None = None) -> None:
                 ems = [r["final"]["em"] for r in source[(arm, lr)].values()]
                 part2.scatter(lr * np.exp(0.03 * rng.standard_normal(len(ems))), ems, s=10, color=color, alpha=0.4)
     part2.set(xscale="log", xlabel="learning rate", ylim=(-0.03, 1.03),
-              title="with warm-up (solid) and without (dotted: Study C, dashed: Study A)")
+              title="EM against the rate: warm-up (solid),\nnone (dotted: Study C, dashed: Study A)")
     part2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
