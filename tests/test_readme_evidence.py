@@ -87,7 +87,7 @@ def test_study_c_rows_are_its_records_analysis(tmp_path):
               for path in sorted((EVIDENCE / "study-c").glob("block-*.tar.gz"))]
     summary = summarise(load_cells(blocks))
     claims = ("Top-k (beta 0.1) beats clamped k3 at 2.8x its beta", "EMA-PG stays ahead of GRPO-k3c with the authors' "
-              "warm-up")
+              "warm-up, lr 3e-3")
     for which, claim in enumerate(claims):
         row = readme_row(claim)
         assert row[3] == readme_effect(summary, which)
@@ -153,6 +153,26 @@ def test_study_b_row_is_its_records_verdicts(tmp_path):
         pull, first = stage2["pull_ratio"]["iterations 2-4"], stage2["pull_ratio"]["iteration 2"]
         assert (f"{pull['median']:.2f}x GRPO-k3c's in\nStudy B (range {pull['low']:.2f}-{pull['high']:.3g} over "
                 f"{pull['n']} seeds; iteration 2 alone {first['median']:.2f}x)") in readme_text()
+
+
+def test_study_d_row_is_its_records_verdicts(tmp_path):
+    """Study D's pilot verdicts by Study B's break rule on each rate's record, in the plan's order
+    (docs/study_d_plan.md). Stage 2's record, when it lands, comes with its own check of the row's primary."""
+    from experiments.two_hop.study_b import readme_effect
+    from experiments.two_hop.verdict import pilot_verdict
+
+    a, b = "EMA-PG-warmup", "GRPO-k3c-warmup"
+    pilot = []
+    for rate in ("1e-4", "3e-4", "1e-3", "3e-3"):
+        folder = EVIDENCE / "study-d" / f"pilot-lr{rate}"
+        for archive in sorted(folder.glob("*.tar.gz")):
+            unpack(archive, tmp_path / rate)
+        for arm in (b, a):
+            if (tmp_path / rate / "two-hop" / arm.lower()).is_dir():
+                pilot.append((arm, rate, pilot_verdict(tmp_path / rate / "two-hop" / arm.lower())["broke"]))
+    expected = readme_effect(pilot, None, a, b) if pilot else f"pilot: {b} not run yet"
+    assert (EVIDENCE / "study-d" / "stage2").is_dir() or readme_row("EMA-PG stays ahead of GRPO-k3c with the "
+                                                                     "authors' warm-up on SmolLM2")[3] == expected
 
 
 def readme_p(p: float) -> str:

@@ -64,12 +64,12 @@ def test_calibration_reads_iterations_2_to_5_and_their_last_line_and_leaves_out_
 
 
 
-def write_evaluation(folder, em_2hop: float, em_reworded: float = 0.5) -> None:
+def write_evaluation(folder, em_2hop: float, em_reworded: float = 0.5, answered: float = 1.0) -> None:
     from eval.report import DatasetResult, EvalReport
 
     def result(dataset: str, em: float) -> DatasetResult:
         return DatasetResult(dataset=dataset, mode="agent", n=100, em=em, em_ci95=(em, em), cover_em=em, f1=em,
-                             answered=1.0, well_formed=1.0, text_cover_em=em, mean_searches=2.0, mean_turns=3.0,
+                             answered=answered, well_formed=1.0, text_cover_em=em, mean_searches=2.0, mean_turns=3.0,
                              invalid_action_rate=0.0, mean_response_tokens=30.0, seconds=1.0)
 
     results = [result("kb-2hop", em_2hop), result("kb-reworded", em_reworded)]
@@ -106,27 +106,33 @@ def test_the_pilot_verdict_applies_the_plans_rule(tmp_path, rewards, last_em, ab
     assert verdict["iterations"] == 8 and verdict["last_evaluation"] == "eval-0008" and verdict["kb_2hop_em"] == last_em
 
 
-def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_finished(tmp_path):
+def write_stage2_block(run, a: str = "EMA-PG", b: str = "GRPO-k3c") -> None:
     """A block as `compare --seeds` writes it: the plan, the SFT start, seeds 201 and 202 finished by both arms, 203
-    by GRPO-k3c only (left out). The primary is the kb-2hop difference, the reworded set a secondary, collapses
-    counted by the rule on each run's history."""
+    by b only (left out); a's runs at 201 answered every question, b's at 201 none."""
     from eval.seed_report import write_plan
-    from experiments.two_hop.study_b import analyse, markdown, readme_effect
 
-    run = tmp_path / "two-hop"
-    write_plan(run, ["SFT", "GRPO-k3c", "EMA-PG", "EMA-PG anchor"], [("EMA-PG", "GRPO-k3c")], [201, 202, 203])
+    write_plan(run, ["SFT", b, a, f"{a} anchor"], [(a, b)], [201, 202, 203])
     write_evaluation(run / "eval-sft", 0.0, 0.58)
-    finished = {("grpo-k3c", 201): (FELL, 0.0, 0.0), ("ema-pg", 201): (HELD, 1.0, 0.9),
-                ("grpo-k3c", 202): (HELD, 0.5, 0.6), ("ema-pg", 202): (HELD, 1.0, 0.6),
-                ("grpo-k3c", 203): (HELD, 1.0, 0.6)}
-    for (arm, seed), (rewards, em, reworded) in finished.items():
-        folder = run / f"seed-{seed}" / arm
+    finished = {(b, 201): (FELL, 0.0, 0.0, 0.0), (a, 201): (HELD, 1.0, 0.9, 1.0),
+                (b, 202): (HELD, 0.5, 0.6, 1.0), (a, 202): (HELD, 1.0, 0.6, 1.0),
+                (b, 203): (HELD, 1.0, 0.6, 1.0)}
+    for (arm, seed), (rewards, em, reworded, answered) in finished.items():
+        folder = run / f"seed-{seed}" / arm.lower()
         folder.mkdir(parents=True)
         rows = [{"iteration": i, "rollout/reward": r, "grad/pg_norm": float(i), "grad/kl_norm": 0.5}
                 for i, r in enumerate(rewards, 1)]
         (folder / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
-        write_evaluation(folder / "eval-0016", em, reworded)  # configs/two_hop.yaml's last iteration
-    (run / "seed-203" / "ema-pg").mkdir()  # started, not finished
+        write_evaluation(folder / "eval-0016", em, reworded, answered)  # configs/two_hop.yaml's last iteration
+    (run / "seed-203" / a.lower()).mkdir()  # started, not finished
+
+
+def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_finished(tmp_path):
+    """Study B's block (EMA-PG - GRPO-k3c, the defaults). The primary is the kb-2hop difference, the reworded set a
+    secondary, collapses counted by the rule on each run's history, the share answered reported beside."""
+    from experiments.two_hop.study_b import analyse, markdown, readme_effect
+
+    run = tmp_path / "two-hop"
+    write_stage2_block(run)
 
     result = analyse(run, iterations=16)
     assert result["seeds"] == [201, 202] and result["unfinished_seeds"] == [203]
@@ -140,7 +146,9 @@ def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_fini
     # grad/ means leave iteration 1 out: pg_norm over iterations 2-8 is 5 in every run
     assert result["per_arm"]["EMA-PG"]["grad"]["grad/pg_norm"] == 5.0
     assert result["per_arm"]["GRPO-k3c"]["grad"]["grad/zero_advantage_groups"] is None
-    assert "p = 0.5" in markdown(result)
+    assert result["answered"]["differences"] == [1.0, 0.0]
+    assert result["per_arm"]["GRPO-k3c"]["zero_em_runs_never_answered"] == 1
+    assert "p = 0.5" in markdown(result) and "answered at all, EMA-PG - GRPO-k3c: +0.500" in markdown(result)
     pilot = [("GRPO-k3c", "2e-5", False), ("GRPO-k3c", "1e-4", True), ("EMA-PG", "1e-4", False)]
     assert readme_effect(pilot, result) == ("pilot: GRPO-k3c held at 2e-5, broke at 1e-4 (EMA-PG held there, 1 seed); "
                                             "Stage 2 running (2 of 3 seeds)")
@@ -156,3 +164,23 @@ def test_study_b_stage_2_tests_the_declared_outcomes_on_the_seeds_every_arm_fini
     assert written.exit_code == 0, written.output
     assert json.loads((run / "study_b.json").read_text())["primary"]["mean"] == 0.75
     assert (run / "em_per_seed.png").stat().st_size > 0 and (run / "train_reward.png").stat().st_size > 0
+
+
+def test_stage_2_analyses_the_arms_it_is_given(tmp_path):
+    """Study D's block (docs/study_d_plan.md): the same analysis on the warm-up arms, named on the command line; a
+    plan without them is refused by name."""
+    from typer.testing import CliRunner
+
+    from experiments.two_hop.study_b import analyse, app
+
+    run = tmp_path / "two-hop"
+    write_stage2_block(run, "EMA-PG-warmup", "GRPO-k3c-warmup")
+    with pytest.raises(ValueError, match="Stage 2 needs EMA-PG and GRPO-k3c"):
+        analyse(run, iterations=16)
+    written = CliRunner().invoke(app, ["--run", str(run), "--a", "EMA-PG-warmup", "--b", "GRPO-k3c-warmup",
+                                       "--name", "study_d"])
+    assert written.exit_code == 0, written.output
+    result = json.loads((run / "study_d.json").read_text())
+    assert result["pair"] == ["EMA-PG-warmup", "GRPO-k3c-warmup"] and result["primary"]["differences"] == [1.0, 0.5]
+    assert result["secondary"][0]["collapsed"] == {"EMA-PG-warmup": 0, "GRPO-k3c-warmup": 1}
+    assert (run / "study_d.md").read_text().startswith("# Stage 2: EMA-PG-warmup - GRPO-k3c-warmup")

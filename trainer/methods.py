@@ -82,6 +82,7 @@ STUDIES: dict[str, tuple[str, ...]] = {
     "study-b": ("GRPO-k3c", "EMA-PG"),
     "study-c": ("EMA-PG", "EMA-k3c", "EMA-PG-weak", "EMA-k3c-strong", "EMA-PG-tail", "GRPO-k3c", "GRPO-k3c-warmup",
                 "EMA-PG-warmup"),
+    "study-d": ("GRPO-k3c-warmup", "EMA-PG-warmup"),
 }
 
 

@@ -1,20 +1,23 @@
-"""Study B's Stage 2 analysis: the pre-registered block at the pilot's breaking rate (docs/study_b_plan.md, "Stage 2").
-Works on a block still running: only the seeds where every arm's final evaluation exists count, the rest are listed.
+"""Stage 2 of a two-hop study: the pre-registered block at the pilot's breaking rate, A - B paired by seed. Study B
+(docs/study_b_plan.md, "Stage 2": EMA-PG - GRPO-k3c, the defaults) and Study D (docs/study_d_plan.md: EMA-PG-warmup -
+GRPO-k3c-warmup) use it. Works on a block still running: only the seeds where every arm's final evaluation exists
+count, the rest are listed.
 
-    python -m experiments.two_hop.study_b --run artifacts/study-b/stage2/two-hop
+    python -m experiments.two_hop.study_b --run artifacts/study-b/stage2/two-hop [--a EMA-PG --b GRPO-k3c]
 
 Reads what `emapg compare --seeds` writes (emapg/compare.py): <run>/plan.json, <run>/eval-sft/, and per seed and arm
 <run>/seed-<s>/<arm, lower case>/metrics.jsonl (read as the run's history: a resumed run logs iterations again) and
 eval-<iteration:04d>/report.json. compare's own seeds.md pools every evaluated question (the primary set and the
 generalisation set together): it is not the plan's primary, which is this file's.
 
-    primary      kb-2hop EM at the last iteration, EMA-PG - GRPO-k3c, paired by seed: exact two-sided sign-flip,
-                 mean with its 95% bootstrap interval (eval/seed_stats.py)
+    primary      kb-2hop EM at the last iteration, A - B, paired by seed: exact two-sided sign-flip, mean with its
+                 95% bootstrap interval (eval/seed_stats.py)
     secondary    Holm over: collapse counts (exact McNemar on the paired indicators, the collapse rule of
-                 experiments/two_hop/verdict.py's curve_summary), kb-reworded EM (EMA-PG - GRPO-k3c, sign-flip),
-                 and with GRPO-floor run, kb-2hop EM EMA-PG - GRPO-floor
-    reported     per arm: EM on both sets, collapses, the grad/ probe's means (iterations 2 on: at 1 the anchor is the
-                 policy), the EMA anchor's final EM
+                 experiments/two_hop/verdict.py's curve_summary), kb-reworded EM (A - B, sign-flip), and with
+                 GRPO-floor run, kb-2hop EM A - GRPO-floor
+    reported     the share of kb-2hop questions answered at all, A - B (sign-flip, not in the family); per arm: EM on
+                 both sets, collapses, the grad/ probe's means (iterations 2 on: at 1 the anchor is the policy), the
+                 EMA anchor's final EM
 
 Writes <run>/study_b.md, study_b.json, em_per_seed.png and train_reward.png.
 """
@@ -39,7 +42,7 @@ from experiments.two_hop.verdict import PRIMARY, dataset_em
 from trainer.run.metrics_log import current_history, read_metrics
 
 GENERALISATION = "kb-reworded"
-A, B = "EMA-PG", "GRPO-k3c"  # the primary difference: A - B
+A, B = "EMA-PG", "GRPO-k3c"  # Study B's primary difference, A - B: the defaults
 FLOOR = "GRPO-floor"  # a third arm only if the budget allowed it
 GRAD_KEYS = ("grad/pg_norm", "grad/kl_norm", "grad/kl_pg_cosine", "grad/zero_advantage_groups")
 
@@ -71,17 +74,17 @@ def run_outcome(run: Path, iterations: int) -> dict | None:
             "train_reward": [(row["iteration"], row["rollout/reward"]) for row in history]}
 
 
-def collect(run: Path, iterations: int) -> dict:
+def collect(run: Path, iterations: int, a: str = A, b: str = B) -> dict:
     """Every arm at every declared seed (plan.json), the seeds where all arms finished, and the SFT start."""
     plan = read_plan(run)
-    arms = [arm for arm in (B, A, FLOOR) if arm in plan["methods"]]
-    if A not in arms or B not in arms:
-        raise ValueError(f"{run / 'plan.json'}: Stage 2 needs {A} and {B}, the plan has {plan['methods']}")
+    arms = [arm for arm in (b, a, FLOOR) if arm in plan["methods"]]
+    if a not in arms or b not in arms:
+        raise ValueError(f"{run / 'plan.json'}: Stage 2 needs {a} and {b}, the plan has {plan['methods']}")
     outcomes = {arm: {seed: run_outcome(run / f"seed-{seed}" / arm.lower(), iterations) for seed in plan["seeds"]}
                 for arm in arms}
     complete = [s for s in plan["seeds"] if all(outcomes[arm][s] is not None for arm in arms)]
     sft = dataset_em(run / "eval-sft") if (run / "eval-sft" / "report.json").exists() else None
-    return {"arms": arms, "declared_seeds": plan["seeds"], "seeds": complete,
+    return {"pair": [a, b], "arms": arms, "declared_seeds": plan["seeds"], "seeds": complete,
             "unfinished_seeds": [s for s in plan["seeds"] if s not in complete], "sft": sft,
             "outcomes": {arm: {s: o for s, o in per_seed.items() if s in complete}
                          for arm, per_seed in outcomes.items()}}
@@ -94,33 +97,35 @@ def seed_difference(outcomes: dict, a: str, b: str, key: str, seeds: list[int]) 
             "differences": list(r.differences)}
 
 
-def collapse_test(outcomes: dict, seeds: list[int]) -> dict:
-    """Exact McNemar on the paired collapse indicators: seeds where only B collapsed against only A."""
-    only_b = sum(outcomes[B][s]["collapsed"] and not outcomes[A][s]["collapsed"] for s in seeds)
-    only_a = sum(outcomes[A][s]["collapsed"] and not outcomes[B][s]["collapsed"] for s in seeds)
-    return {"name": f"collapses: {A} vs {B}", "collapsed": {arm: sum(outcomes[arm][s]["collapsed"] for s in seeds)
-                                                           for arm in (A, B)},
+def collapse_test(outcomes: dict, seeds: list[int], a: str, b: str) -> dict:
+    """Exact McNemar on the paired collapse indicators: seeds where only b collapsed against only a."""
+    only_b = sum(outcomes[b][s]["collapsed"] and not outcomes[a][s]["collapsed"] for s in seeds)
+    only_a = sum(outcomes[a][s]["collapsed"] and not outcomes[b][s]["collapsed"] for s in seeds)
+    return {"name": f"collapses: {a} vs {b}", "collapsed": {arm: sum(outcomes[arm][s]["collapsed"] for s in seeds)
+                                                           for arm in (a, b)},
             "only_a": only_a, "only_b": only_b, "p": mcnemar_exact_p(only_a, only_b)}
 
 
-def analyse(run: Path, iterations: int) -> dict:
-    """The declared tests on the finished seeds (None while no seed has finished every arm)."""
-    result = collect(run, iterations)
+def analyse(run: Path, iterations: int, a: str = A, b: str = B) -> dict:
+    """The declared tests of a - b on the finished seeds (None while no seed has finished every arm)."""
+    result = collect(run, iterations, a, b)
     seeds, outcomes = result["seeds"], result["outcomes"]
-    result["primary"] = seed_difference(outcomes, A, B, "em", seeds) if seeds else None
+    result["primary"] = seed_difference(outcomes, a, b, "em", seeds) if seeds else None
+    # Beside the primary, not tested: a collapsed policy often stops writing answers at all (Study B).
+    result["answered"] = seed_difference(outcomes, a, b, "answered", seeds) if seeds else None
     secondary = []
     if seeds:
-        secondary = [collapse_test(outcomes, seeds), seed_difference(outcomes, A, B, "em_reworded", seeds)]
+        secondary = [collapse_test(outcomes, seeds, a, b), seed_difference(outcomes, a, b, "em_reworded", seeds)]
         if FLOOR in result["arms"]:
-            secondary.append(seed_difference(outcomes, A, FLOOR, "em", seeds))
+            secondary.append(seed_difference(outcomes, a, FLOOR, "em", seeds))
         for row, adjusted in zip(secondary, holm([row["p"] for row in secondary]), strict=True):
             row["holm_p"] = adjusted
     result["secondary"] = secondary
     # How hard each arm's KL term pulls at the same seed (reported, not tested): iterations 2-4, and 2 alone (the
     # state both arms share most closely: the same first rollouts, one update apart).
-    norms = {arm: {s: outcomes[arm][s]["kl_norms"] for s in seeds} for arm in (A, B)}
-    result["pull_ratio"] = {"iterations 2-4": paired_norm_ratio(norms[A], norms[B]),
-                            "iteration 2": paired_norm_ratio(norms[A], norms[B], (2,))}
+    norms = {arm: {s: outcomes[arm][s]["kl_norms"] for s in seeds} for arm in (a, b)}
+    result["pull_ratio"] = {"iterations 2-4": paired_norm_ratio(norms[a], norms[b]),
+                            "iteration 2": paired_norm_ratio(norms[a], norms[b], (2,))}
     result["per_arm"] = {}
     for arm in result["arms"]:
         runs = [outcomes[arm][s] for s in seeds]
@@ -138,14 +143,14 @@ def analyse(run: Path, iterations: int) -> dict:
     return result
 
 
-def readme_effect(pilot: list[tuple[str, str, bool]], stage2: dict | None) -> str:
+def readme_effect(pilot: list[tuple[str, str, bool]], stage2: dict | None, a: str = A, b: str = B) -> str:
     """README's evidence-table cell: the pilot's verdicts, (arm, rate, broke) in the order run, until Stage 2 has
     finished every declared seed; then Stage 2's primary (`analyse`'s result)."""
     def verdict(broke: bool) -> str:
         return "broke" if broke else "held"
 
-    text = f"pilot: {B} " + ", ".join(f"{verdict(broke)} at {rate}" for arm, rate, broke in pilot if arm == B)
-    text += "".join(f" ({A} {verdict(broke)} there, 1 seed)" for arm, _, broke in pilot if arm == A)
+    text = f"pilot: {b} " + ", ".join(f"{verdict(broke)} at {rate}" for arm, rate, broke in pilot if arm == b)
+    text += "".join(f" ({a} {verdict(broke)} there, 1 seed)" for arm, _, broke in pilot if arm == a)
     if stage2 is None:
         return text + "; Stage 2 not run yet"
     done, declared = len(stage2["seeds"]), len(stage2["declared_seeds"])
@@ -161,8 +166,8 @@ def number(value: float | None, digits: int = 3) -> str:
 
 
 def markdown(result: dict) -> str:
-    seeds = result["seeds"]
-    lines = ["# Study B, Stage 2 (docs/study_b_plan.md)", "",
+    seeds, (a, b) = result["seeds"], result["pair"]
+    lines = [f"# Stage 2: {a} - {b}", "",
              f"Declared seeds {result['declared_seeds']}; finished by every arm: {seeds or 'none'}; unfinished: "
              f"{result['unfinished_seeds'] or 'none'}."]
     if result["sft"] is not None:
@@ -171,10 +176,14 @@ def markdown(result: dict) -> str:
     primary = result["primary"]
     if primary is None:
         return "\n".join(lines + ["", "No seed has finished every arm: nothing to test yet."]) + "\n"
-    lines += ["", f"**Primary** ({PRIMARY} EM at the last iteration, {A} - {B}, {len(seeds)} seeds): mean "
+    answered = result["answered"]
+    lines += ["", f"**Primary** ({PRIMARY} EM at the last iteration, {a} - {b}, {len(seeds)} seeds): mean "
               f"{primary['mean']:+.3f}, 95% CI [{primary['ci'][0]:+.3f}, {primary['ci'][1]:+.3f}], exact sign-flip "
               f"p = {format_p(primary['p'])} (smallest possible {format_p(primary['smallest_possible_p'])}); "
               f"wins/losses/ties {primary['wins']}/{primary['losses']}/{primary['ties']}.", "",
+              f"Beside it (reported, not tested): the share of {PRIMARY} questions answered at all, {a} - {b}: "
+              f"{answered['mean']:+.3f} [{answered['ci'][0]:+.3f}, {answered['ci'][1]:+.3f}], p = "
+              f"{format_p(answered['p'])}.", "",
               "| secondary | effect | p | Holm p |", "|---|---|---|---|"]
     for row in result["secondary"]:
         if "collapsed" in row:
@@ -231,22 +240,24 @@ def main(
     run: Annotated[Path, typer.Option(help="the block's compare run folder (<out_dir>/two-hop)")] = Path(
         "artifacts/study-b/stage2/two-hop"),
     config: Annotated[Path, typer.Option(help="the study's run config (its train.iterations is the last)")] = CONFIG,
+    a: Annotated[str, typer.Option(help="the primary's first arm (A in A - B)")] = A,
+    b: Annotated[str, typer.Option(help="the primary's second arm")] = B,
+    name: Annotated[str, typer.Option(help="the reports' file name: <run>/<name>.md and .json")] = "study_b",
 ) -> None:
-    """Study B's Stage 2: the declared primary and secondary tests, per-seed outcomes and plots."""
+    """Stage 2 of a two-hop study: the declared primary and secondary tests, per-seed outcomes and plots."""
     from trainer.config import load_config
 
     try:
-        result = analyse(run, load_config(config).train.iterations)
+        result = analyse(run, load_config(config).train.iterations, a, b)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e)) from e
     curves = {arm: {s: result["outcomes"][arm][s]["train_reward"] for s in result["seeds"]} for arm in result["arms"]}
-    (run / "study_b.json").write_text(json.dumps(result, indent=1) + "\n")
-    (run / "study_b.md").write_text(markdown(result))
+    (run / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (run / f"{name}.md").write_text(markdown(result))
     if result["seeds"]:
         plot_em_per_seed(result, run / "em_per_seed.png")
         plot_per_arm(curves, run / "train_reward.png", "train reward", "train reward (bold: mean of seeds)")
     print(markdown(result))
-
 
 if __name__ == "__main__":
     app()
