@@ -207,14 +207,13 @@ study-d-record:
 
 # Study D's Stage 2 (docs/study_d_plan.md): both warm-up arms at the pilot's breaking rate 3e-4, seeds 401-412, as
 # two processes side by side (seeds 401-406 and 407-412), one torch thread each, into one folder (compare merges
-# their seeds in plan.json under a lock); each resumes. Then the analysis. `make study-d-record STUDY_D_RUN=stage2`.
+# their seeds in plan.json under a lock); each resumes and ends with the analysis (the later one's sees every seed).
+# Set-up runs once first, never twice at once. `make study-d-record STUDY_D_RUN=stage2` packs the record.
 STUDY_D_STAGE2 = STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_STAGE2_LR=3e-4 STUDY_B_ARMS=study-d \
   STUDY_B_PAIR=EMA-PG-warmup:GRPO-k3c-warmup STUDY_B_REPORT=study_d
-study-d:
+study-d: setup
 	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406 & \
 	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=407,408,409,410,411,412 & wait
-	$(PY) -m experiments.two_hop.study_b --run $(STUDY_D)/stage2/two-hop --a EMA-PG-warmup --b GRPO-k3c-warmup \
-	  --name study_d
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
