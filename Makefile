@@ -212,8 +212,9 @@ study-d-record:
 STUDY_D_STAGE2 = STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_STAGE2_LR=3e-4 STUDY_B_ARMS=study-d \
   STUDY_B_PAIR=EMA-PG-warmup:GRPO-k3c-warmup STUDY_B_REPORT=study_d
 study-d: setup
-	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406 & \
-	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=407,408,409,410,411,412 & wait
+	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406 & first=$$!; \
+	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=407,408,409,410,411,412 & second=$$!; \
+	wait $$first && wait $$second  # either process failing fails the target
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
