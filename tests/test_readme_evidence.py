@@ -122,17 +122,19 @@ def test_two_hop_row_is_its_seed_reports_primary(tmp_path):
                                                          f"{len(report['comparisons'])}")
 
 
+def unpack_all(folder: Path, into: Path) -> Path:
+    """A study record (every archive of `folder`) unpacked; its compare folder."""
+    for archive in sorted(folder.glob("*.tar.gz")):
+        unpack(archive, into)
+    return into / "two-hop"
+
+
 def test_study_b_row_is_its_records_verdicts(tmp_path):
     """The pilot's verdicts by the break rule (experiments/two_hop/verdict.py) on each rate's record, in the order
     the plan ran them; Stage 2's primary once its record holds every declared seed."""
     from eval.seed_stats import format_p
     from experiments.two_hop.study_b import analyse, readme_effect
     from experiments.two_hop.verdict import pilot_verdict
-
-    def unpack_all(folder: Path, into: Path) -> Path:
-        for archive in sorted(folder.glob("*.tar.gz")):
-            unpack(archive, into)
-        return into / "two-hop"
 
     pilot = []
     for rate, arms in (("2e-5", ["grpo-k3c"]), ("1e-4", ["grpo-k3c", "ema-pg"])):
@@ -157,22 +159,25 @@ def test_study_b_row_is_its_records_verdicts(tmp_path):
 
 def test_study_d_row_is_its_records_verdicts(tmp_path):
     """Study D's pilot verdicts by Study B's break rule on each rate's record, in the plan's order
-    (docs/study_d_plan.md). Stage 2's record, when it lands, comes with its own check of the row's primary."""
-    from experiments.two_hop.study_b import readme_effect
+    (docs/study_d_plan.md); then Stage 2's progress, and its primary once the record holds every declared seed."""
+    from eval.seed_stats import format_p
+    from experiments.two_hop.study_b import analyse, readme_effect
     from experiments.two_hop.verdict import pilot_verdict
 
     a, b = "EMA-PG-warmup", "GRPO-k3c-warmup"
     pilot = []
     for rate in ("1e-4", "3e-4", "1e-3", "3e-3"):
-        folder = EVIDENCE / "study-d" / f"pilot-lr{rate}"
-        for archive in sorted(folder.glob("*.tar.gz")):
-            unpack(archive, tmp_path / rate)
-        for arm in (b, a):
-            if (tmp_path / rate / "two-hop" / arm.lower()).is_dir():
-                pilot.append((arm, rate, pilot_verdict(tmp_path / rate / "two-hop" / arm.lower())["broke"]))
-    expected = readme_effect(pilot, None, a, b) if pilot else f"pilot: {b} not run yet"
-    assert (EVIDENCE / "study-d" / "stage2").is_dir() or readme_row("EMA-PG stays ahead of GRPO-k3c with the "
-                                                                     "authors' warm-up on SmolLM2")[3] == expected
+        run = unpack_all(EVIDENCE / "study-d" / f"pilot-lr{rate}", tmp_path / rate)
+        pilot += [(arm, rate, pilot_verdict(run / arm.lower())["broke"]) for arm in (b, a)
+                  if (run / arm.lower()).is_dir()]
+    stage2 = None
+    if (EVIDENCE / "study-d" / "stage2").is_dir():
+        stage2 = analyse(unpack_all(EVIDENCE / "study-d" / "stage2", tmp_path / "stage2"), iterations=16, a=a, b=b)
+        assert stage2["declared_seeds"] == list(range(401, 413))
+    row = readme_row("EMA-PG stays ahead of GRPO-k3c with the authors' warm-up on SmolLM2")
+    assert row[3] == readme_effect(pilot, stage2, a, b)
+    if stage2 is not None and not stage2["unfinished_seeds"]:
+        assert row[4] == format_p(stage2["primary"]["p"])
 
 
 def readme_p(p: float) -> str:
