@@ -205,16 +205,14 @@ study-d-record:
 	$(MAKE) -s study-b-record STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_LR=$(STUDY_D_LR) \
 	  $(if $(STUDY_D_RUN),STUDY_B_RUN=$(STUDY_D_RUN))
 
-# Study D's Stage 2 (docs/study_d_plan.md): both warm-up arms at the pilot's breaking rate 3e-4, seeds 401-412, as
-# two processes side by side (seeds 401-406 and 407-412), one torch thread each, into one folder (compare merges
-# their seeds in plan.json under a lock); each resumes and ends with the analysis (the later one's sees every seed).
-# Set-up runs once first, never twice at once. `make study-d-record STUDY_D_RUN=stage2` packs the record.
+# Study D's Stage 2 (docs/study_d_plan.md): both warm-up arms at the pilot's breaking rate 3e-4, seeds 401-412, in
+# one process (two side by side ran out of memory on 24 GB: each peaks at ~13 GB beside its ~5 GB vLLM worker); it
+# resumes (finished runs are skipped) and ends with the analysis. `make study-d-record STUDY_D_RUN=stage2` packs the
+# record.
 STUDY_D_STAGE2 = STUDY_B=$(STUDY_D) STUDY_B_RECORD=docs/evidence/study-d STUDY_B_STAGE2_LR=3e-4 STUDY_B_ARMS=study-d \
   STUDY_B_PAIR=EMA-PG-warmup:GRPO-k3c-warmup STUDY_B_REPORT=study_d
-study-d: setup
-	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406 & first=$$!; \
-	OMP_NUM_THREADS=1 $(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=407,408,409,410,411,412 & second=$$!; \
-	wait $$first && wait $$second  # either process failing fails the target
+study-d:
+	$(MAKE) study-b $(STUDY_D_STAGE2) STUDY_B_SEEDS=401,402,403,404,405,406,407,408,409,410,411,412
 
 # Study A of issue 43 (docs/study_stability_plan.md): the stable learning-rate frontier on the tiny policy. Two blocks
 # (SFT starts), one process each, one torch thread each, side by side; each resumes (finished cells are skipped), and
