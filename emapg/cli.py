@@ -347,5 +347,14 @@ def compare(
 
 import emapg.cli_outputs  # noqa: E402, F401 - its commands register on the app after the runs', listed last
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """The `emapg` command: the app, with a watchdog that stops its child processes when it ends (even by SIGKILL)."""
+    from emapg.child_reaper import reap_children_at_exit
+
+    reap_children_at_exit()
     app()
+
+
+if __name__ == "__main__":
+    main()
