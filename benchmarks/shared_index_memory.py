@@ -6,8 +6,8 @@ after the other, over the same index folder:
 Each server gets windows of single-query requests from 32 concurrent clients (benchmarks/retriever_vs_search_r1.py's
 closed loop) until every worker has the whole FAISS file resident (a Flat search reads all of it; other types touch
 only what they probe, so they stop after `--max-queries`), then each worker's RSS, PSS and private bytes are read
-from /proc, with the residency of the index file. RSS counts a shared page in every process that maps it; PSS divides it among them, so the sum of PSS over the
-workers is what the machine holds. Prints one JSON line.
+from /proc, with the residency of the index file. RSS counts a shared page in every process that maps it; PSS
+divides it among them, so the sum of PSS over the workers is what the machine holds. Prints one JSON line.
 """
 
 from __future__ import annotations
