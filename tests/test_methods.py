@@ -24,10 +24,11 @@ def test_the_makefiles_study_targets_read_their_arms_from_the_table():
     import subprocess
     import sys
 
-    # `make -n` expands the targets as they would run (study-d runs study-b's recipe with its own variables).
-    for target, study in (("two-hop", "two-hop"), ("study-b", "study-b"), ("study-d", "study-d")):
-        expanded = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        assert re.findall(r"--methods \$\(\S+ -m trainer\.methods (\S+)\)", expanded) == [study], target
+    # `make -n` expands the targets as they would run (study-d runs study-b's recipe with its own variables); each
+    # target's arms are the table's study of the same name.
+    for study in ("two-hop", "study-b", "study-d"):
+        expanded = subprocess.run(["make", "-n", study], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert re.findall(r"--methods \$\(\S+ -m trainer\.methods (\S+)\)", expanded) == [study], study
         printed = subprocess.run([sys.executable, "-m", "trainer.methods", study], cwd=ROOT, capture_output=True,
                                  text=True, check=True).stdout.strip()
         assert tuple(printed.split(",")) == STUDIES[study]
